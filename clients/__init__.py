@@ -1,0 +1,4 @@
+"""Node-side learners (plain PyTorch), wrapped into Flower ClientApps by the engine."""
+
+from clients import supervised  # noqa: F401  (registers the "supervised" learner)
+from clients.base import EvalResult, Learner, NodeContext, StateDict, TrainResult  # noqa: F401

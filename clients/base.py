@@ -1,0 +1,94 @@
+"""The node-side learner contract.
+
+A :class:`Learner` is plain PyTorch: the engine wraps it into a Flower ``ClientApp``.  One learner
+object is built per process and per run (see :mod:`fedsim.engine.runtime`) and serves every node
+that process simulates, so models, optimiser shapes and data stay resident between rounds and only
+parameters move.  Anything a node must remember between rounds (continual and test-time learners,
+privacy ledgers) lives in ``ctx.state``, Flower's per-node ``RecordDict`` which persists for the
+whole run in both engines.
+
+The contract is deliberately wider than supervised classification:
+
+* ``train``/``evaluate`` get a :class:`NodeContext` with the round number, so data may change with
+  the round (task and domain streams);
+* a learner owns its environment (labelled arrays, a gymnasium task, a PyG graph ...), built from
+  the experiment config through the registries, so RL, graph and semi-supervised learners fit;
+* ``init_arrays`` and ``evaluate_global`` give the server its initial model and its centralised
+  evaluation, so centralised mode (one client, no aggregation) is the same code path.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from flwr.app import RecordDict
+
+from fedsim.config import ExperimentConfig
+from fedsim.seeding import derive_seed
+
+StateDict = dict[str, torch.Tensor]
+
+
+@dataclass
+class NodeContext:
+    """What a learner knows about the node and round it is serving."""
+
+    partition_id: int
+    num_partitions: int
+    server_round: int
+    root_seed: int
+    state: RecordDict = field(default_factory=RecordDict)  # persists per node across rounds
+    config: Mapping[str, Any] = field(default_factory=dict)  # the strategy's round config
+
+    def seed(self, stream: str) -> int:
+        """A seed unique to (root seed, stream, round, node): identical in every engine."""
+        return derive_seed(self.root_seed, stream, self.server_round, self.partition_id)
+
+
+@dataclass
+class TrainResult:
+    arrays: StateDict  # what is sent back to the server (detached copies)
+    num_examples: int  # weight for sample-size-weighted aggregation
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class EvalResult:
+    num_examples: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class Learner(ABC):
+    """Base class of node-side learners; subclasses register under ``fedsim.registry.LEARNERS``."""
+
+    def __init__(self, cfg: ExperimentConfig, params: Any) -> None:
+        self.cfg = cfg
+        self.params = params
+
+    @abstractmethod
+    def init_arrays(self) -> StateDict:
+        """The initial global model, seeded from the root seed."""
+
+    @abstractmethod
+    def train(self, arrays: StateDict, ctx: NodeContext) -> TrainResult:
+        """Local training from the global ``arrays``; returns the update to aggregate."""
+
+    @abstractmethod
+    def evaluate(self, arrays: StateDict, ctx: NodeContext) -> EvalResult:
+        """Client-side evaluation of ``arrays`` on the node's own test data."""
+
+    def evaluate_global(self, arrays: StateDict) -> dict[str, float]:
+        """Server-side (centralised) evaluation on held-out data; empty if the learner has none."""
+        return {}
+
+    def setup_artifacts(self, out_dir: Path) -> list[Path]:
+        """Files describing the run's setup (e.g. a label-histogram plot) to log once."""
+        return []
+
+    def setup_summary(self) -> dict[str, float]:
+        """Scalar facts about the setup (dataset sizes ...) to log as params."""
+        return {}

@@ -1,0 +1,148 @@
+"""Supervised classification learner: a registered model trained with SGD/Adam on a client's split.
+
+Local work is ``client.local_epochs`` passes over the client's training data, or exactly
+``client.local_steps`` optimiser steps when set (as FedSVD counts local work).  A fresh optimiser is
+built every round, as in FedAvg.  Batches are drawn from a generator seeded by (root seed, round,
+partition), so every engine draws the same batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from clients.base import EvalResult, Learner, NodeContext, StateDict, TrainResult
+from envs.federated import FederatedData, load_federated_data_cached
+from envs.plots import plot_label_histogram
+from fedsim.config import ExperimentConfig
+from fedsim.models import build_model
+from fedsim.registry import LEARNERS
+from fedsim.seeding import derive_seed
+
+
+@dataclass
+class SupervisedParams:
+    grad_clip: float | None = None  # clip the gradient norm at each step (None = off)
+
+
+def make_optimizer(model: nn.Module, cfg: ExperimentConfig) -> torch.optim.Optimizer:
+    c = cfg.client
+    params = [p for p in model.parameters() if p.requires_grad]
+    if c.optimizer == "adam":
+        return torch.optim.Adam(params, lr=c.lr, weight_decay=c.weight_decay)
+    return torch.optim.SGD(params, lr=c.lr, momentum=c.momentum, weight_decay=c.weight_decay)
+
+
+def iterate_batches(n: int, batch_size: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
+    """Endless stream of shuffled index batches (a new permutation each epoch)."""
+    while True:
+        perm = torch.randperm(n, generator=generator)
+        for start in range(0, n, batch_size):
+            yield perm[start : start + batch_size]
+
+
+def num_local_steps(n: int, cfg: ExperimentConfig) -> int:
+    if cfg.client.local_steps is not None:
+        return cfg.client.local_steps
+    return cfg.client.local_epochs * -(-n // cfg.client.batch_size)
+
+
+@torch.no_grad()
+def evaluate_model(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int) -> dict[str, float]:
+    """Mean cross-entropy and accuracy of ``model`` on (x, y)."""
+    if len(y) == 0:
+        return {"loss": float("nan"), "accuracy": float("nan")}
+    model.eval()
+    loss_sum, correct = 0.0, 0
+    for start in range(0, len(y), batch_size):
+        xb, yb = x[start : start + batch_size], y[start : start + batch_size]
+        logits = model(xb)
+        loss_sum += float(nn.functional.cross_entropy(logits, yb, reduction="sum"))
+        correct += int((logits.argmax(1) == yb).sum())
+    return {"loss": loss_sum / len(y), "accuracy": correct / len(y)}
+
+
+@LEARNERS.register("supervised", params=SupervisedParams, summary="supervised classifier (cross-entropy)")
+class SupervisedLearner(Learner):
+    """Cross-entropy training of a registered model on labelled arrays from ``envs``."""
+
+    def __init__(self, cfg: ExperimentConfig, params: SupervisedParams) -> None:
+        super().__init__(cfg, params)
+        self._data: FederatedData | None = None
+        self._model: nn.Module | None = None
+
+    # -- resident state ---------------------------------------------------------------------
+    @property
+    def data(self) -> FederatedData:
+        if self._data is None:
+            self._data = load_federated_data_cached(self.cfg.data, self.cfg.num_clients, self.cfg.seed)
+        return self._data
+
+    @property
+    def model(self) -> nn.Module:
+        if self._model is None:
+            self._model = self._build_model()
+        return self._model
+
+    def _build_model(self) -> nn.Module:
+        return build_model(self.cfg.model.name, self.cfg.model.params, self.data.input_shape, self.data.num_classes)
+
+    def _load(self, arrays: StateDict) -> nn.Module:
+        model = self.model
+        model.load_state_dict(arrays, strict=True)
+        return model
+
+    # -- Learner API --------------------------------------------------------------------------
+    def init_arrays(self) -> StateDict:
+        torch.manual_seed(derive_seed(self.cfg.seed, "model-init"))
+        model = self._build_model()
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    def train(self, arrays: StateDict, ctx: NodeContext) -> TrainResult:
+        ds = self.data.client_train(ctx.partition_id, ctx.server_round)
+        x, y = ds.to_tensors()
+        model = self._load(arrays)
+        model.train()
+        torch.manual_seed(ctx.seed("torch"))  # dropout and any other global-RNG use
+        optimizer = make_optimizer(model, self.cfg)
+        batches = iterate_batches(len(y), self.cfg.client.batch_size, torch.Generator().manual_seed(ctx.seed("batches")))
+        steps = num_local_steps(len(y), self.cfg)
+        loss_sum = 0.0
+        for _ in range(steps):
+            idx = next(batches)
+            optimizer.zero_grad(set_to_none=True)
+            loss = self.loss(model, x[idx], y[idx], ctx)
+            loss.backward()
+            if self.params.grad_clip is not None:
+                nn.utils.clip_grad_norm_(model.parameters(), self.params.grad_clip)
+            optimizer.step()
+            loss_sum += float(loss.detach())
+        out = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return TrainResult(out, num_examples=len(y), metrics={"train_loss": loss_sum / steps, "local_steps": float(steps)})
+
+    def loss(self, model: nn.Module, xb: torch.Tensor, yb: torch.Tensor, ctx: NodeContext) -> torch.Tensor:
+        """The local objective; strategies such as FedProx extend it in subclasses."""
+        return nn.functional.cross_entropy(model(xb), yb)
+
+    def evaluate(self, arrays: StateDict, ctx: NodeContext) -> EvalResult:
+        ds = self.data.client_test(ctx.partition_id)
+        x, y = ds.to_tensors()
+        metrics = evaluate_model(self._load(arrays), x, y, self.cfg.evaluation.batch_size)
+        return EvalResult(num_examples=len(y), metrics=metrics)
+
+    def evaluate_global(self, arrays: StateDict) -> dict[str, float]:
+        x, y = self.data.server_test.to_tensors()
+        return evaluate_model(self._load(arrays), x, y, self.cfg.evaluation.batch_size)
+
+    def setup_artifacts(self, out_dir: Path) -> list[Path]:
+        hist = self.data.label_histogram()
+        return [plot_label_histogram(hist, out_dir / "label_histogram.png",
+                                     title=f"{self.cfg.data.name}: labels per client "
+                                           f"({self.cfg.data.partition.name}, α={self.cfg.data.partition.alpha})")]
+
+    def setup_summary(self) -> dict[str, Any]:
+        return {f"data.size.{k}": v for k, v in self.data.summary().items()}

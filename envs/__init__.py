@@ -1,0 +1,43 @@
+"""Where data comes from: offline datasets, Flower Datasets partitioners, federated client splits.
+
+Importing this package registers the built-in datasets (``mnist``, ``digits``, ``synthetic``) and
+partitioners (``iid``, ``dirichlet``, ``pathological``, ``shard``) in :mod:`fedsim.registry`.
+"""
+
+from envs.datasets import ArrayDataset, SyntheticParams, load_digits, load_mnist, load_synthetic
+from envs.federated import (
+    FederatedData,
+    as_data_config,
+    build_federated_data,
+    clear_federated_cache,
+    load_dataset,
+    load_federated_data_cached,
+    partition_pool,
+    server_split,
+    split_client,
+)
+from envs.partition import dirichlet, iid, pathological, shard, shard_remainder
+from envs.plots import plot_label_histogram
+
+__all__ = [
+    "ArrayDataset",
+    "FederatedData",
+    "SyntheticParams",
+    "as_data_config",
+    "build_federated_data",
+    "clear_federated_cache",
+    "dirichlet",
+    "iid",
+    "load_dataset",
+    "load_digits",
+    "load_federated_data_cached",
+    "load_mnist",
+    "load_synthetic",
+    "partition_pool",
+    "pathological",
+    "plot_label_histogram",
+    "server_split",
+    "shard",
+    "shard_remainder",
+    "split_client",
+]

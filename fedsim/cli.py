@@ -1,0 +1,168 @@
+"""The ``fedsim`` command line: ``list``, ``run``, ``ui``.
+
+Errors the user can fix print one line (``fedsim: error: ...``) and exit 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+from typing import Any, NoReturn, Sequence
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports errors on one line."""
+
+    def error(self, message: str) -> NoReturn:
+        sys.stderr.write(f"fedsim: error: {message} (see fedsim {self.prog.split()[-1]} --help)\n"
+                         if " " in self.prog else f"fedsim: error: {message} (see fedsim --help)\n")
+        raise SystemExit(EXIT_USAGE)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="fedsim", description="Federated and continual learning simulation platform.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    sub.add_parser("list", help="list the experiments with one-line descriptions")
+
+    run = sub.add_parser("run", help="run an experiment (a name from `fedsim list` or a YAML path)")
+    run.add_argument("experiment", help="experiment name or path/to/experiment.yaml")
+    run.add_argument("overrides", nargs="*", help="OmegaConf dotlist overrides, e.g. client.lr=0.05")
+    run.add_argument("--rounds", type=_positive_int, help="number of federated rounds")
+    run.add_argument("--clients", type=_positive_int, help="number of simulated clients")
+    run.add_argument("--seed", type=_positive_int, help="root seed (all randomness derives from it)")
+    run.add_argument("--engine", choices=["local", "flower"], help="local (fast, in-process) or flower (Ray)")
+    run.add_argument("--eps", type=float, help="target privacy budget ε (DP experiments only)")
+    run.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db)")
+    run.add_argument("--no-tracking", action="store_true", help="do not record to MLflow")
+    run.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    run.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+    run.add_argument("--verbose", action="store_true", help="show Flower/Ray logs")
+
+    ui = sub.add_parser("ui", help="open the MLflow UI on 127.0.0.1 over the same store")
+    ui.add_argument("--port", type=int, default=5000)
+    ui.add_argument("--tracking-uri", help="MLflow tracking URI (default as for `run`)")
+    return parser
+
+
+def cmd_list() -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from fedsim import config as C
+
+    table = Table(title="fedsim experiments", show_header=True, header_style="bold")
+    table.add_column("name")
+    table.add_column("description")
+    for name in C.list_experiments():
+        data = C.read_yaml(C.EXPERIMENTS_DIR / f"{name}.yaml")
+        table.add_row(name, str(data.get("description", "")).strip().split("\n")[0])
+    Console().print(table)
+    return 0
+
+
+def _apply_eps(cfg: Any, eps: float | None, name: str) -> None:
+    """``--eps`` sets ``privacy.epsilon`` of experiments that use DP; elsewhere it is an error."""
+    from fedsim.errors import ConfigError
+
+    if eps is None:
+        return
+    privacy = getattr(cfg, "privacy", None)
+    if privacy is None or not getattr(privacy, "enabled", False):
+        raise ConfigError(f"experiment {name!r} does not use differential privacy, so --eps does not apply; "
+                          f"drop --eps or choose a DP experiment")
+    if eps <= 0:
+        raise ConfigError(f"--eps must be > 0, got {eps}")
+    privacy.epsilon = eps
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from fedsim import config as C
+    from fedsim.progress import RoundProgress, summary_table
+    from fedsim.runner import run_experiment
+
+    flags = {"rounds": args.rounds, "clients": args.clients, "seed": args.seed, "engine": args.engine}
+    cfg = C.load_config(args.experiment, args.overrides, flags)
+    _apply_eps(cfg, args.eps, cfg.name)
+    C.validate(cfg)
+    if args.no_tracking:
+        cfg.tracking.enabled = False
+    cfg.engine.verbose = cfg.engine.verbose or args.verbose
+    console = Console(stderr=False, quiet=args.quiet)
+    if args.print_config:
+        Console().print(C.to_yaml(cfg), markup=False, highlight=False)
+        return 0
+    label = f"{cfg.name} · {cfg.strategy.name} · {cfg.engine.name}"
+    if args.quiet:
+        summary = run_experiment(cfg, tracking_uri=args.tracking_uri)
+    else:
+        with RoundProgress(cfg.rounds, label, console) as progress:
+            summary = run_experiment(cfg, observers=[progress], tracking_uri=args.tracking_uri)
+    extra = {"wall time": f"{summary.wall_seconds:.1f} s"}
+    if summary.run_id:
+        extra.update({"mlflow run": summary.run_id, "tracking uri": summary.tracking_uri or ""})
+    console.print(summary_table(f"{cfg.name}: final round {cfg.rounds}", summary.history, extra))
+    if summary.run_id and not args.quiet:
+        console.print("Open the results with [bold]fedsim ui[/bold].")
+    return 0
+
+
+def cmd_ui(args: argparse.Namespace) -> int:
+    from fedsim.tracking import resolve_tracking_uri
+
+    uri = resolve_tracking_uri(args.tracking_uri)
+    exe = shutil.which("mlflow", path=os.path.dirname(sys.executable)) or shutil.which("mlflow")
+    if exe is None:
+        from fedsim.errors import FedsimError
+
+        raise FedsimError("the mlflow command is not installed in this environment; run `make install`")
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    print(f"MLflow UI for {uri} at http://127.0.0.1:{args.port} (Ctrl+C to stop)", flush=True)
+    cmd = [exe, "server", "--host", "127.0.0.1", "--port", str(args.port), "--backend-store-uri", uri,
+           "--workers", "1"]
+    try:
+        return subprocess.call(cmd, env=env)
+    except KeyboardInterrupt:
+        return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from fedsim.errors import FedsimError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from fedsim.logs import quiet_third_party
+
+    quiet_third_party(verbose=getattr(args, 'verbose', False))
+    try:
+        if args.command == "list":
+            return cmd_list()
+        if args.command == "run":
+            return cmd_run(args)
+        return cmd_ui(args)
+    except FedsimError as exc:
+        sys.stderr.write(f"fedsim: error: {exc}\n")
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        sys.stderr.write("fedsim: interrupted; the run was recorded as KILLED\n")
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,283 @@
+"""Typed experiment configuration: OmegaConf structured configs over dataclasses.
+
+An experiment YAML is merged onto :class:`ExperimentConfig`; unknown keys and wrong types are
+errors that name the key.  Component-specific settings live in each section's ``params`` mapping
+and are validated against the params dataclass the component registered (see
+:mod:`fedsim.registry`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from fedsim.errors import ConfigError
+
+EXPERIMENTS_DIR = Path(__file__).resolve().parent.parent / "experiments"
+
+
+@dataclass
+class PartitionConfig:
+    """How the training pool is split over clients (Flower Datasets partitioners)."""
+
+    name: str = "dirichlet"  # iid | dirichlet | pathological | shard
+    alpha: float = 0.5  # dirichlet concentration: smaller = more label skew
+    min_partition_size: int = 10  # dirichlet: redraw until every client has this many examples
+    self_balancing: bool = False  # dirichlet: Flower Datasets' self-balancing option
+    num_classes_per_partition: int = 2  # pathological
+    num_shards_per_partition: int = 2  # shard
+
+
+@dataclass
+class DataConfig:
+    name: str = "mnist"  # registry key: mnist | digits | synthetic
+    test_fraction: float = 0.2  # held out before partitioning, for server-side evaluation
+    client_test_fraction: float = 0.2  # of each client's partition, for client-side evaluation
+    partition: PartitionConfig = field(default_factory=PartitionConfig)
+    params: dict[str, Any] = field(default_factory=dict)  # dataset-specific (validated by its loader)
+
+
+@dataclass
+class ModelConfig:
+    name: str = "mlp"  # registry key: mlp | cnn
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ClientConfig:
+    """The node-side learner and its local optimisation."""
+
+    learner: str = "supervised"  # registry key
+    optimizer: str = "sgd"  # sgd | adam
+    lr: float = 0.05
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    batch_size: int = 32
+    local_epochs: int = 1
+    local_steps: Optional[int] = None  # if set, exactly this many optimizer steps instead of epochs
+    params: dict[str, Any] = field(default_factory=dict)  # learner-specific
+
+
+@dataclass
+class StrategyConfig:
+    name: str = "fedavg"  # registry key
+    fraction_train: float = 1.0  # share of clients sampled for training each round
+    fraction_evaluate: float = 0.0  # share sampled for client-side evaluation (0 = server eval only)
+    # Fewest successful training replies a round may have; fewer fails the run.  Failed clients
+    # are always counted and logged; by default any round with >= 1 result is aggregated (as
+    # Flower's FedAvg does).  Set it to the sample size to fail on any client failure.
+    min_train_results: int = 1
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class FlowerEngineConfig:
+    """Settings of Flower's simulation runtime (Ray backend)."""
+
+    client_num_cpus: float = 1.0
+    client_num_gpus: float = 0.0
+    ray_num_cpus: Optional[int] = None  # CPUs Ray may use; None = all of this machine's
+    address: Optional[str] = None  # Ray cluster address ("auto"); None = start a local Ray
+    timeout_s: float = 900.0  # whole-simulation limit, so a mis-sized request cannot hang forever
+
+
+@dataclass
+class FaultConfig:
+    """Fault injection: listed partitions raise inside their ClientApp (to test resilience)."""
+
+    fail_partitions: list[int] = field(default_factory=list)
+    fail_rounds: list[int] = field(default_factory=list)  # empty = every round
+
+
+@dataclass
+class EngineConfig:
+    name: str = "local"  # local | flower
+    threads_per_client: int = 1  # torch threads inside a client call (same in both engines)
+    round_timeout_s: float = 600.0  # how long the server waits for the replies of one round
+    verbose: bool = False  # show Flower's and Ray's own logs
+    flower: FlowerEngineConfig = field(default_factory=FlowerEngineConfig)
+    faults: FaultConfig = field(default_factory=FaultConfig)
+
+
+@dataclass
+class EvaluationConfig:
+    server: bool = True  # evaluate the global model on the held-out test split every round
+    batch_size: int = 512
+
+
+@dataclass
+class TrackingConfig:
+    enabled: bool = True
+    uri: Optional[str] = None  # None: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db in the cwd
+    experiment: str = "fedsim"  # MLflow experiment name
+    log_model: bool = True  # store the final global weights as an artifact
+
+
+@dataclass
+class ExperimentConfig:
+    name: str = "fedavg"
+    description: str = ""
+    seed: int = 0
+    rounds: int = 3
+    num_clients: int = 10
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    client: ClientConfig = field(default_factory=ClientConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+
+#: CLI short flags and the config keys they set.
+FLAG_KEYS: dict[str, str] = {
+    "rounds": "rounds",
+    "clients": "num_clients",
+    "seed": "seed",
+    "engine": "engine.name",
+}
+
+
+def _omegaconf_error(exc: OmegaConfBaseException, source: str) -> ConfigError:
+    key = getattr(exc, "full_key", None)
+    msg = str(exc).splitlines()[0].strip()
+    where = f"{source}: key '{key}'" if key else source
+    return ConfigError(f"{where}: {msg}")
+
+
+def experiment_path(name_or_path: str) -> Path:
+    """Resolve ``fedavg`` to ``experiments/fedavg.yaml``, or accept a path to a YAML file."""
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml"):
+        if not p.is_file():
+            raise ConfigError(f"experiment file not found: {p}")
+        return p
+    candidate = EXPERIMENTS_DIR / f"{name_or_path}.yaml"
+    if candidate.is_file():
+        return candidate
+    known = ", ".join(list_experiments()) or "none"
+    raise ConfigError(f"unknown experiment {name_or_path!r}; known: {known} (or pass a .yaml path)")
+
+
+def list_experiments() -> list[str]:
+    return sorted(p.stem for p in EXPERIMENTS_DIR.glob("*.yaml"))
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        raise ConfigError(f"{path}: bad YAML{at}: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: an experiment file must be a mapping of keys, got {type(data).__name__}")
+    return data
+
+
+def load_config(
+    name_or_path: str,
+    overrides: list[str] | None = None,
+    flags: dict[str, Any] | None = None,
+) -> ExperimentConfig:
+    """Load an experiment, apply ``key=value`` overrides then CLI flags, validate, return it typed."""
+    path = experiment_path(name_or_path)
+    base = OmegaConf.structured(ExperimentConfig)
+    try:
+        cfg = OmegaConf.merge(base, read_yaml(path))
+    except OmegaConfBaseException as exc:
+        raise _omegaconf_error(exc, str(path)) from None
+    if "name" not in read_yaml(path):
+        cfg.name = path.stem
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"bad override {item!r}: use key=value, e.g. client.lr=0.05")
+        key = item.split("=", 1)[0]
+        if OmegaConf.select(cfg, key, default="__missing__") == "__missing__" and not _inside_params(key):
+            raise ConfigError(f"bad override {item!r}: no config key '{key}' (see --print-config)")
+    try:
+        if overrides:
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+        for flag, value in (flags or {}).items():
+            if value is not None:
+                OmegaConf.update(cfg, FLAG_KEYS[flag], value, merge=True)
+    except OmegaConfBaseException as exc:
+        raise _omegaconf_error(exc, "override") from None
+    except ValueError as exc:  # e.g. from_dotlist on a malformed item
+        raise ConfigError(f"bad override: {exc}") from None
+    typed: ExperimentConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    validate(typed)
+    return typed
+
+
+def _inside_params(key: str) -> bool:
+    """Keys under a ``params`` mapping are validated later, by the component that owns them."""
+    return ".params." in f".{key}"
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate(cfg: ExperimentConfig) -> None:
+    """Value checks that types alone cannot express."""
+    _check(cfg.rounds >= 1, f"rounds must be >= 1, got {cfg.rounds}")
+    _check(cfg.num_clients >= 1, f"num_clients must be >= 1, got {cfg.num_clients}")
+    _check(cfg.seed >= 0, f"seed must be >= 0, got {cfg.seed}")
+    _check(cfg.engine.name in ("local", "flower"), f"engine must be 'local' or 'flower', got {cfg.engine.name!r}")
+    _check(cfg.engine.threads_per_client >= 1, "engine.threads_per_client must be >= 1")
+    _check(0.0 < cfg.strategy.fraction_train <= 1.0,
+           f"strategy.fraction_train must be in (0, 1], got {cfg.strategy.fraction_train}")
+    _check(0.0 <= cfg.strategy.fraction_evaluate <= 1.0,
+           f"strategy.fraction_evaluate must be in [0, 1], got {cfg.strategy.fraction_evaluate}")
+    _check(cfg.strategy.min_train_results >= 1,
+           f"strategy.min_train_results must be >= 1, got {cfg.strategy.min_train_results}")
+    _check(0.0 < cfg.data.test_fraction < 1.0, f"data.test_fraction must be in (0, 1), got {cfg.data.test_fraction}")
+    _check(0.0 <= cfg.data.client_test_fraction < 1.0,
+           f"data.client_test_fraction must be in [0, 1), got {cfg.data.client_test_fraction}")
+    _check(cfg.data.partition.alpha > 0, f"data.partition.alpha must be > 0, got {cfg.data.partition.alpha}")
+    _check(cfg.client.lr > 0, f"client.lr must be > 0, got {cfg.client.lr}")
+    _check(cfg.client.batch_size >= 1, f"client.batch_size must be >= 1, got {cfg.client.batch_size}")
+    _check(cfg.client.local_epochs >= 1, f"client.local_epochs must be >= 1, got {cfg.client.local_epochs}")
+    _check(cfg.client.local_steps is None or cfg.client.local_steps >= 1,
+           f"client.local_steps must be >= 1 when set, got {cfg.client.local_steps}")
+    _check(cfg.client.optimizer in ("sgd", "adam"), f"client.optimizer must be 'sgd' or 'adam', got {cfg.client.optimizer!r}")
+    _check(cfg.engine.flower.client_num_cpus > 0, "engine.flower.client_num_cpus must be > 0")
+
+
+def to_container(cfg: ExperimentConfig) -> dict[str, Any]:
+    """Plain nested dict (picklable, YAML-able)."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore[return-value]
+
+
+def to_yaml(cfg: ExperimentConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def from_container(data: dict[str, Any]) -> ExperimentConfig:
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ExperimentConfig), data))  # type: ignore[return-value]
+
+
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (for MLflow params)."""
+    out: dict[str, Any] = {}
+    for k, v in data.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def as_dictconfig(cfg: ExperimentConfig) -> DictConfig:
+    return OmegaConf.structured(cfg)

@@ -1,0 +1,141 @@
+"""Per-process runtime: the learner cache and the ClientApp that wraps a learner.
+
+The ClientApp is shipped to Ray actors by the Flower engine, so it closes over a small picklable
+:class:`RunSpec` only; each process builds its learner (model, data) once per run and reuses it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from fedsim import config as C
+from fedsim.registry import LEARNERS
+
+#: Key in train/evaluate replies that FedAvg-style strategies weight by.
+NUM_EXAMPLES = "num-examples"
+#: Key a node answers the engine's query with (used to order nodes canonically).
+PARTITION_ID = "partition-id"
+
+
+class SimulatedClientFailure(RuntimeError):
+    """Raised inside a ClientApp by fault injection (``engine.faults``)."""
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything a process needs to rebuild a run's components: the config, as YAML text."""
+
+    config_yaml: str
+
+    @staticmethod
+    def from_config(cfg: C.ExperimentConfig) -> "RunSpec":
+        return RunSpec(C.to_yaml(cfg))
+
+    @property
+    def cfg(self) -> C.ExperimentConfig:
+        return _parse_config(self.config_yaml)
+
+
+_cache_lock = threading.Lock()
+_configs: dict[str, C.ExperimentConfig] = {}
+_learners: dict[str, Any] = {}
+
+
+def _parse_config(text: str) -> C.ExperimentConfig:
+    with _cache_lock:
+        if text not in _configs:
+            import yaml
+
+            _configs[text] = C.from_container(yaml.safe_load(text))
+        return _configs[text]
+
+
+def get_learner(spec: RunSpec) -> Any:
+    """The learner of this run in this process (built on first use, then resident)."""
+    with _cache_lock:
+        learner = _learners.get(spec.config_yaml)
+    if learner is None:
+        cfg = spec.cfg
+        cls = LEARNERS.get(cfg.client.learner)
+        params = LEARNERS.params(cfg.client.learner, cfg.client.params, "client.params")
+        learner = cls(cfg, params)
+        with _cache_lock:
+            _learners.clear()  # one run per process at a time: drop previous runs' models and data
+            _learners[spec.config_yaml] = learner
+    return learner
+
+
+def check_learner(cfg: C.ExperimentConfig) -> None:
+    """Fail fast (before any run starts) on an unknown learner or bad learner params."""
+    LEARNERS.params(cfg.client.learner, cfg.client.params, "client.params")
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run a block with ``n`` intra-op threads (identical arithmetic in every engine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def node_context(msg: Message, context: Context, cfg: C.ExperimentConfig):  # -> clients.NodeContext
+    from clients.base import NodeContext  # the contract module, not a concrete learner
+
+    config = dict(msg.content["config"]) if "config" in msg.content else {}
+    return NodeContext(
+        partition_id=int(context.node_config["partition-id"]),
+        num_partitions=int(context.node_config["num-partitions"]),
+        server_round=int(config.get("server-round", 0)),
+        root_seed=cfg.seed,
+        state=context.state,
+        config=config,
+    )
+
+
+def _maybe_fail(cfg: C.ExperimentConfig, partition_id: int, server_round: int) -> None:
+    f = cfg.engine.faults
+    if partition_id in f.fail_partitions and (not f.fail_rounds or server_round in f.fail_rounds):
+        raise SimulatedClientFailure(f"injected failure: partition {partition_id}, round {server_round}")
+
+
+def build_client_app(spec: RunSpec) -> ClientApp:
+    """A Flower ClientApp serving train / evaluate / query with this run's learner."""
+    app = ClientApp()
+
+    @app.query()
+    def query(msg: Message, context: Context) -> Message:
+        pid = int(context.node_config["partition-id"])
+        return Message(RecordDict({"metrics": MetricRecord({PARTITION_ID: pid})}), reply_to=msg)
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        cfg = spec.cfg
+        ctx = node_context(msg, context, cfg)
+        _maybe_fail(cfg, ctx.partition_id, ctx.server_round)
+        with torch_threads(cfg.engine.threads_per_client):
+            learner = get_learner(spec)
+            result = learner.train(msg.content["arrays"].to_torch_state_dict(), ctx)
+        metrics = MetricRecord({**result.metrics, NUM_EXAMPLES: result.num_examples})
+        return Message(RecordDict({"arrays": ArrayRecord(result.arrays), "metrics": metrics}), reply_to=msg)
+
+    @app.evaluate()
+    def evaluate(msg: Message, context: Context) -> Message:
+        cfg = spec.cfg
+        ctx = node_context(msg, context, cfg)
+        _maybe_fail(cfg, ctx.partition_id, ctx.server_round)
+        with torch_threads(cfg.engine.threads_per_client):
+            result = get_learner(spec).evaluate(msg.content["arrays"].to_torch_state_dict(), ctx)
+        metrics = MetricRecord({**result.metrics, NUM_EXAMPLES: result.num_examples})
+        return Message(RecordDict({"metrics": metrics}), reply_to=msg)
+
+    return app

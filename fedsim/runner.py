@@ -1,0 +1,142 @@
+"""Run one experiment end to end: validate, start the engine, record to MLflow, summarise.
+
+Everything that can be checked before a run starts is checked first (components, params,
+resources), so a bad input never leaves a half-written run behind.
+"""
+
+from __future__ import annotations
+
+import signal
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from fedsim import config as C
+from fedsim.engine.history import History, RoundObserver
+from fedsim.engine.runtime import RunSpec, check_learner, get_learner
+from fedsim.engine.server import ServerResult, build_strategy, required_results
+from fedsim.errors import FedsimError, RunFailedError
+from fedsim.logs import quiet_third_party
+from fedsim.plots import plot_learning_curves
+from fedsim.registry import DATASETS, MODELS, PARTITIONERS
+
+
+@dataclass
+class RunSummary:
+    history: History
+    final_arrays: dict[str, Any]
+    wall_seconds: float
+    run_id: str | None
+    tracking_uri: str | None
+
+
+def preflight(cfg: C.ExperimentConfig) -> None:
+    """Resolve every named component and validate its params before anything starts."""
+    DATASETS.params(cfg.data.name, cfg.data.params, "data.params")
+    PARTITIONERS.entry(cfg.data.partition.name)
+    MODELS.params(cfg.model.name, cfg.model.params, "model.params")
+    check_learner(cfg)
+    build_strategy(RunSpec.from_config(cfg))
+    required_results(RunSpec.from_config(cfg))
+    bad = [p for p in cfg.engine.faults.fail_partitions if not 0 <= p < cfg.num_clients]
+    if bad:
+        raise C.ConfigError(f"engine.faults.fail_partitions: {bad} outside 0..{cfg.num_clients - 1}")
+    if cfg.engine.name == "flower":
+        from fedsim.engine.flower import backend_config
+
+        backend_config(RunSpec.from_config(cfg))
+
+
+def _engine(name: str) -> Callable[[RunSpec, list[RoundObserver]], ServerResult]:
+    if name == "flower":
+        from fedsim.engine.flower import run_flower
+
+        return run_flower
+    from fedsim.engine.local import run_local
+
+    return run_local
+
+
+class _Terminated(Exception):
+    """SIGTERM arrived: the run is ended as KILLED."""
+
+
+def run_experiment(
+    cfg: C.ExperimentConfig,
+    *,
+    observers: list[RoundObserver] | None = None,
+    tracking_uri: str | None = None,
+) -> RunSummary:
+    """Run ``cfg``; every round goes to ``observers`` and, unless disabled, to MLflow."""
+    quiet_third_party(cfg.engine.verbose)
+    preflight(cfg)
+    spec = RunSpec.from_config(cfg)
+    learner = get_learner(spec)
+    # Build data now, so data errors surface before an MLflow run exists.
+    setup = learner.setup_summary()
+    history = History()
+    recorder = None
+    if cfg.tracking.enabled:
+        from fedsim.tracking import MlflowRecorder, git_commit
+
+        recorder = MlflowRecorder(tracking_uri or cfg.tracking.uri, cfg.tracking.experiment,
+                                  run_name=f"{cfg.name}-seed{cfg.seed}",
+                                  tags={"experiment": cfg.name, "strategy": cfg.strategy.name,
+                                        "engine": cfg.engine.name, "seed": str(cfg.seed),
+                                        "git_commit": git_commit(), "learner": cfg.client.learner,
+                                        "dataset": cfg.data.name})
+    all_observers: list[RoundObserver] = [history, *(observers or [])]
+    if recorder is not None:
+        all_observers.append(recorder)
+    previous_term = signal.getsignal(signal.SIGTERM)
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise _Terminated()
+
+    status = "FAILED"
+    start = time.perf_counter()
+    try:
+        try:
+            signal.signal(signal.SIGTERM, on_term)
+        except ValueError:  # not the main thread (e.g. inside a Ray Tune trial)
+            pass
+        if recorder is not None:
+            recorder.log_params({**C.flatten(C.to_container(cfg)), **setup})
+            recorder.log_text(C.to_yaml(cfg), "config.yaml")
+            for path in learner.setup_artifacts(recorder.artifact_dir):
+                recorder.log_artifact(path, "plots")
+        result = _engine(cfg.engine.name)(spec, all_observers)
+        wall = time.perf_counter() - start
+        if recorder is not None:
+            _log_outputs(recorder, cfg, history, result, wall)
+        status = "FINISHED"
+    except (KeyboardInterrupt, _Terminated):
+        status = "KILLED"
+        raise KeyboardInterrupt() from None
+    finally:
+        if recorder is not None:
+            recorder.finish(status)
+        try:
+            signal.signal(signal.SIGTERM, previous_term)
+        except ValueError:
+            pass
+    return RunSummary(history, result.arrays, wall, recorder.run_id if recorder else None,
+                      recorder.uri if recorder else None)
+
+
+def _log_outputs(recorder: Any, cfg: C.ExperimentConfig, history: History, result: ServerResult, wall: float) -> None:
+    recorder.log_metrics({"run/wall_seconds": wall}, step=cfg.rounds)
+    curve = plot_learning_curves(history, recorder.artifact_dir / "learning_curve.png",
+                                 f"{cfg.name}: {cfg.strategy.name}, {cfg.num_clients} clients, seed {cfg.seed}")
+    recorder.log_artifact(curve, "plots")
+    if cfg.tracking.log_model:
+        path = Path(tempfile.mkdtemp(prefix="fedsim-model-")) / "global_model.pt"
+        torch.save(result.arrays, path)
+        recorder.log_artifact(path, "model")
+
+
+__all__ = ["RunSummary", "run_experiment", "preflight", "FedsimError", "RunFailedError"]

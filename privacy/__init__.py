@@ -1,0 +1,1 @@
+"""Differential privacy (Opacus DP-SGD, noise calibration, per-client ledger)."""

@@ -1,0 +1,24 @@
+"""What a strategy builder receives: the experiment and the sample sizes the engine will use."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fedsim.config import ExperimentConfig
+
+
+@dataclass(frozen=True)
+class StrategyContext:
+    cfg: ExperimentConfig
+    num_clients: int
+
+    @property
+    def train_sample_size(self) -> int:
+        """Clients per training round, computed as Flower's FedAvg does (at least 1)."""
+        return max(1, int(self.num_clients * self.cfg.strategy.fraction_train))
+
+    @property
+    def evaluate_sample_size(self) -> int:
+        if self.cfg.strategy.fraction_evaluate == 0.0:
+            return 0
+        return max(1, int(self.num_clients * self.cfg.strategy.fraction_evaluate))
