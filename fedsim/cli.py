@@ -146,7 +146,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from fedsim.errors import FedsimError
 
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "run":  # overrides may come after flags: collect the key=value leftovers
+        args.overrides = [*args.overrides, *(e for e in extra if "=" in e and not e.startswith("-"))]
+        extra = [e for e in extra if e not in args.overrides]
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     from fedsim.logs import quiet_third_party
 
     quiet_third_party(verbose=getattr(args, 'verbose', False))

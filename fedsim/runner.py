@@ -61,8 +61,8 @@ def _engine(name: str) -> Callable[[RunSpec, list[RoundObserver]], ServerResult]
     return run_local
 
 
-class _Terminated(Exception):
-    """SIGTERM arrived: the run is ended as KILLED."""
+class _Terminated(BaseException):
+    """SIGTERM arrived: the run is ended as KILLED (a BaseException, so no client handler eats it)."""
 
 
 def run_experiment(

@@ -1,0 +1,3 @@
+from fedsim.cli import main
+
+raise SystemExit(main())
