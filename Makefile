@@ -1,18 +1,23 @@
 # The two commands of the README: `make demo` and `make test`.
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -c
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# pip on these machines prints one harmless "Location ... is ignored" line per package
+PIPQ := 2>&1 | { grep -v -e "is ignored: it is neither" -e "^  *with strategy, WheelFile" || true; }
 
 .PHONY: demo test install clean bench
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade "pip>=24"
+	$(BIN)/python -m pip install --quiet --upgrade "pip>=24" $(PIPQ)
 
+# torch first, from the pinned CPU wheel, so nothing can resolve a CUDA build.
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet "torch==2.13.0"
-	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(BIN)/python -m pip install --quiet "torch==2.13.0" $(PIPQ)
+	$(BIN)/python -m pip install --quiet -e ".[dev]" $(PIPQ)
 	touch $(STAMP)
 
 install: $(STAMP)
