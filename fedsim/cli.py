@@ -75,19 +75,13 @@ def cmd_list() -> int:
     return 0
 
 
-def _apply_eps(cfg: Any, eps: float | None, name: str) -> None:
-    """``--eps`` sets ``privacy.epsilon`` of experiments that use DP; elsewhere it is an error."""
-    from fedsim.errors import ConfigError
-
+def _apply_eps(cfg: Any, eps: float | None) -> None:
+    """``--eps E`` turns on sample-level DP-SGD with target ε = E (the learner must support DP)."""
     if eps is None:
         return
-    privacy = getattr(cfg, "privacy", None)
-    if privacy is None or not getattr(privacy, "enabled", False):
-        raise ConfigError(f"experiment {name!r} does not use differential privacy, so --eps does not apply; "
-                          f"drop --eps or choose a DP experiment")
-    if eps <= 0:
-        raise ConfigError(f"--eps must be > 0, got {eps}")
-    privacy.epsilon = eps
+    cfg.privacy.enabled = True
+    cfg.privacy.epsilon = eps
+    cfg.privacy.noise_multiplier = None
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -99,7 +93,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     flags = {"rounds": args.rounds, "clients": args.clients, "seed": args.seed, "engine": args.engine}
     cfg = C.load_config(args.experiment, args.overrides, flags)
-    _apply_eps(cfg, args.eps, cfg.name)
+    _apply_eps(cfg, args.eps)
     C.validate(cfg)
     if args.no_tracking:
         cfg.tracking.enabled = False

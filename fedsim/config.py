@@ -119,6 +119,25 @@ class TrackingConfig:
 
 
 @dataclass
+class PrivacyConfig:
+    """Differential privacy of the client learners (see privacy/)."""
+
+    enabled: bool = False
+    level: str = "sample"  # sample: DP-SGD inside each client (Opacus)
+    epsilon: Optional[float] = None  # target ε per client for the whole run (--eps)
+    delta: float = 1e-5
+    noise_multiplier: Optional[float] = None  # set σ directly instead of calibrating it from epsilon
+    max_grad_norm: float = 1.0  # per-sample clipping bound C
+    accountant: str = "prv"  # prv | rdp
+    # The authors' FedSVD code folds the client-sampling fraction into the sampling rate (privacy
+    # amplification by secret client sampling). Off by default: a client is assumed to take part
+    # in every round.
+    amplify_client_sampling: bool = False
+    grad_sample_mode: str = "hooks"  # Opacus per-sample-gradient mode: hooks | ew | functorch | ghost
+    max_physical_batch_size: int = 64  # logical batches are split to this size (memory)
+
+
+@dataclass
 class ExperimentConfig:
     name: str = "fedavg"
     description: str = ""
@@ -132,6 +151,7 @@ class ExperimentConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
 
 
 #: CLI short flags and the config keys they set.
@@ -252,6 +272,28 @@ def validate(cfg: ExperimentConfig) -> None:
            f"client.local_steps must be >= 1 when set, got {cfg.client.local_steps}")
     _check(cfg.client.optimizer in ("sgd", "adam"), f"client.optimizer must be 'sgd' or 'adam', got {cfg.client.optimizer!r}")
     _check(cfg.engine.flower.client_num_cpus > 0, "engine.flower.client_num_cpus must be > 0")
+    validate_privacy(cfg.privacy)
+
+
+def validate_privacy(p: PrivacyConfig) -> None:
+    import math
+
+    if not p.enabled:
+        return
+    _check(p.level == "sample", f"privacy.level must be 'sample', got {p.level!r}")
+    _check(p.accountant in ("prv", "rdp"), f"privacy.accountant must be 'prv' or 'rdp', got {p.accountant!r}")
+    _check(p.grad_sample_mode in ("hooks", "ew", "functorch", "ghost"),
+           f"privacy.grad_sample_mode must be hooks, ew, functorch or ghost, got {p.grad_sample_mode!r}")
+    _check((p.epsilon is None) != (p.noise_multiplier is None),
+           "privacy: set exactly one of privacy.epsilon (--eps) and privacy.noise_multiplier")
+    if p.epsilon is not None:
+        _check(math.isfinite(p.epsilon) and p.epsilon > 0, f"--eps / privacy.epsilon must be a finite number > 0, got {p.epsilon}")
+    if p.noise_multiplier is not None:
+        _check(math.isfinite(p.noise_multiplier) and p.noise_multiplier > 0,
+               f"privacy.noise_multiplier must be > 0, got {p.noise_multiplier}")
+    _check(0 < p.delta < 1, f"privacy.delta must be in (0, 1), got {p.delta}")
+    _check(math.isfinite(p.max_grad_norm) and p.max_grad_norm > 0, f"privacy.max_grad_norm must be > 0, got {p.max_grad_norm}")
+    _check(p.max_physical_batch_size >= 1, "privacy.max_physical_batch_size must be >= 1")
 
 
 def to_container(cfg: ExperimentConfig) -> dict[str, Any]:

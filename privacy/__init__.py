@@ -1,1 +1,1 @@
-"""Differential privacy (Opacus DP-SGD, noise calibration, per-client ledger)."""
+"""Differential privacy: Opacus DP-SGD inside client learners, noise calibration, a per-client ledger."""

@@ -36,6 +36,7 @@ class RoundTally:
     eval_failed: int = 0
     failures: list[str] = field(default_factory=list)
     train_metrics: dict[str, float] = field(default_factory=dict)
+    client_train_metrics: dict[int, dict[str, float]] = field(default_factory=dict)
     eval_metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -126,6 +127,10 @@ class MonitoredGrid(Grid):
             self.tally.train_ok += len(ok)
             self.tally.train_failed += len(failures)
             self.tally.train_metrics = weighted_means(ok)
+            self.tally.client_train_metrics = {
+                self.partition_of[m.metadata.src_node_id]: {k: float(v) for k, v in m.content["metrics"].items()
+                                                            if isinstance(v, (int, float))}
+                for m in ok if "metrics" in m.content}
             if len(ok) < self.min_train_results:
                 detail = failures[0] if failures else "no replies"
                 raise RunFailedError(

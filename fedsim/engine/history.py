@@ -16,6 +16,7 @@ class RoundRecord:
     clients_ok: int = 0
     clients_failed: int = 0
     failures: list[str] = field(default_factory=list)  # one line per failed client reply
+    client_metrics: dict[int, dict[str, float]] = field(default_factory=dict)  # train metrics by partition
 
     def as_metrics(self) -> dict[str, float]:
         """Everything numeric, under the names logged to MLflow."""

@@ -16,6 +16,7 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedsim import config as C
+from fedsim.errors import ConfigError
 from fedsim.registry import LEARNERS
 
 #: Key in train/evaluate replies that FedAvg-style strategies weight by.
@@ -73,8 +74,11 @@ def get_learner(spec: RunSpec) -> Any:
 
 
 def check_learner(cfg: C.ExperimentConfig) -> None:
-    """Fail fast (before any run starts) on an unknown learner or bad learner params."""
+    """Fail fast (before any run starts) on an unknown learner, bad params or unsupported DP."""
     LEARNERS.params(cfg.client.learner, cfg.client.params, "client.params")
+    if cfg.privacy.enabled and not getattr(LEARNERS.get(cfg.client.learner), "supports_dp", False):
+        raise ConfigError(f"experiment {cfg.name!r} uses learner {cfg.client.learner!r}, which has no differential "
+                          f"privacy, so --eps / privacy.enabled does not apply; drop it")
 
 
 @contextlib.contextmanager

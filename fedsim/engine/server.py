@@ -83,7 +83,7 @@ def run_server(grid: Grid, spec: RunSpec, observers: list[RoundObserver]) -> Ser
             metrics.update(_prefixed("eval", server_metrics))
         seconds = time.perf_counter() - tally.started if tally.started is not None else 0.0
         record = RoundRecord(server_round, metrics, seconds, tally.train_ok, tally.train_failed + tally.eval_failed,
-                             list(tally.failures))
+                             list(tally.failures), dict(tally.client_train_metrics))
         for failure in tally.failures:
             log.warning("round %d: client failure: %s", server_round, failure)
         records.append(record)
