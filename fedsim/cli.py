@@ -53,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     run.add_argument("--verbose", action="store_true", help="show Flower/Ray logs")
 
+    rep = sub.add_parser("reproduce", help="run a claim check: a grid of configurations × seeds as one MLflow parent run")
+    rep.add_argument("claim", help="claim name (experiments/reproduce/NAME.yaml) or a YAML path")
+    rep.add_argument("overrides", nargs="*", help="overrides applied to every run, e.g. rounds=5")
+    rep.add_argument("--seeds", type=_positive_int, help="number of seeds (0..N-1) instead of the spec's list")
+    rep.add_argument("--tracking-uri", help="MLflow tracking URI")
+
     ui = sub.add_parser("ui", help="open the MLflow UI on 127.0.0.1 over the same store")
     ui.add_argument("--port", type=int, default=5000)
     ui.add_argument("--tracking-uri", help="MLflow tracking URI (default as for `run`)")
@@ -117,6 +123,33 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_reproduce(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from fedsim.reproduce import load_claim, results_table_rows, run_claim
+
+    spec = load_claim(args.claim, args.seeds, args.overrides)
+    console = Console()
+    console.print(f"[bold]{args.claim}[/bold]: {spec.description}")
+    results, parent = run_claim(args.claim, spec, tracking_uri=args.tracking_uri,
+                                on_progress=lambda msg: console.print(msg, highlight=False))
+    rows = results_table_rows(spec, results)
+    table = Table(title=f"{args.claim}: mean ± std over {len(spec.seeds)} seeds", header_style="bold")
+    cols = list(dict.fromkeys(k for row in rows for k in row))
+    for c in cols:
+        table.add_column(c)
+    for row in rows:
+        table.add_row(*(row.get(c, "") for c in cols))
+    console.print(table)
+    for r in results:
+        for failure in r.failed:
+            console.print(f"[red]failed[/red] {r.label}: {failure}", highlight=False)
+    if parent:
+        console.print(f"MLflow parent run {parent} (results.md, plots/); open with [bold]fedsim ui[/bold].")
+    return 0
+
+
 def cmd_ui(args: argparse.Namespace) -> int:
     from fedsim.tracking import resolve_tracking_uri
 
@@ -141,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if args.command == "run":  # overrides may come after flags: collect the key=value leftovers
+    if args.command in ("run", "reproduce"):  # overrides may come after flags: collect the key=value leftovers
         args.overrides = [*args.overrides, *(e for e in extra if "=" in e and not e.startswith("-"))]
         extra = [e for e in extra if e not in args.overrides]
     if extra:
@@ -154,6 +187,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_list()
         if args.command == "run":
             return cmd_run(args)
+        if args.command == "reproduce":
+            return cmd_reproduce(args)
         return cmd_ui(args)
     except FedsimError as exc:
         sys.stderr.write(f"fedsim: error: {exc}\n")

@@ -38,3 +38,64 @@ def plot_learning_curves(history: History, path: Path, title: str) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plot_claim(spec, results, out_dir: Path, title: str) -> list[Path]:
+    """Metric per round (mean over seeds, band = ±1 std) per configuration; and metric vs ε."""
+    import math
+
+    import numpy as np
+
+    paths = []
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for r in results:
+        if not r.curves:
+            continue
+        n = min(len(c) for c in r.curves)
+        arr = np.asarray([c[:n] for c in r.curves])
+        mean, std = arr.mean(0), arr.std(0)
+        xs = np.arange(n)
+        ax.plot(xs, mean, label=r.label)
+        ax.fill_between(xs, mean - std, mean + std, alpha=0.15)
+    ax.set_xlabel("round")
+    ax.set_ylabel(spec.metric)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title(title)
+    fig.tight_layout()
+    paths.append(out_dir / "curves.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    if "eps" in spec.grid:
+        others = [k for k in spec.grid if k != "eps"]
+        groups: dict[str, list] = {}
+        for r in results:
+            key = ", ".join(f"{k.split('.')[-1]}={r.setting[k]}" for k in others) or "all"
+            groups.setdefault(key, []).append(r)
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        finite = [float(e) for e in spec.grid["eps"] if e is not None and not math.isinf(float(e))]
+        inf_x = (max(finite) * 2) if finite else 1.0
+        for key, rs in groups.items():
+            pts = []
+            for r in rs:
+                e = r.setting["eps"]
+                x = inf_x if e is None or math.isinf(float(e)) else float(e)
+                m, s = r.mean_std(r.finals)
+                pts.append((x, m, s))
+            pts.sort()
+            xs, ms, ss = zip(*pts)
+            ax.errorbar(xs, ms, yerr=ss, marker="o", capsize=3, label=key)
+        ax.set_xscale("log")
+        ticks = sorted(set(finite)) + [inf_x]
+        ax.set_xticks(ticks)
+        ax.set_xticklabels([f"{t:g}" for t in ticks[:-1]] + ["∞"])
+        ax.set_xlabel("target ε (∞ = no DP)")
+        ax.set_ylabel(f"final {spec.metric}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        ax.set_title(title)
+        fig.tight_layout()
+        paths.append(out_dir / "metric_vs_eps.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths

@@ -70,8 +70,13 @@ def run_experiment(
     *,
     observers: list[RoundObserver] | None = None,
     tracking_uri: str | None = None,
+    parent_run_id: str | None = None,
+    run_name: str | None = None,
 ) -> RunSummary:
-    """Run ``cfg``; every round goes to ``observers`` and, unless disabled, to MLflow."""
+    """Run ``cfg``; every round goes to ``observers`` and, unless disabled, to MLflow.
+
+    ``parent_run_id`` nests the MLflow run under a parent (sweeps and claim checks).
+    """
     quiet_third_party(cfg.engine.verbose)
     preflight(cfg)
     spec = RunSpec.from_config(cfg)
@@ -83,12 +88,13 @@ def run_experiment(
     if cfg.tracking.enabled:
         from fedsim.tracking import MlflowRecorder, git_commit
 
+        tags = {"experiment": cfg.name, "strategy": cfg.strategy.name, "engine": cfg.engine.name,
+                "seed": str(cfg.seed), "git_commit": git_commit(), "learner": cfg.client.learner,
+                "dataset": cfg.data.name}
+        if parent_run_id:
+            tags["mlflow.parentRunId"] = parent_run_id
         recorder = MlflowRecorder(tracking_uri or cfg.tracking.uri, cfg.tracking.experiment,
-                                  run_name=f"{cfg.name}-seed{cfg.seed}",
-                                  tags={"experiment": cfg.name, "strategy": cfg.strategy.name,
-                                        "engine": cfg.engine.name, "seed": str(cfg.seed),
-                                        "git_commit": git_commit(), "learner": cfg.client.learner,
-                                        "dataset": cfg.data.name})
+                                  run_name=run_name or f"{cfg.name}-seed{cfg.seed}", tags=tags)
     all_observers: list[RoundObserver] = [history, *(observers or [])]
     if recorder is not None:
         all_observers.append(recorder)

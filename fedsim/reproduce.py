@@ -1,0 +1,230 @@
+"""Claim checks: run a grid of configurations × seeds as one MLflow parent run with nested children.
+
+A claim spec lives in ``experiments/reproduce/<name>.yaml``::
+
+    description: FedSVD vs FFA-LoRA vs FedAvg-LoRA under DP
+    experiment: fedsvd                      # the base experiment
+    overrides: [rounds=10]                  # applied to every run
+    grid:                                   # every combination is one configuration
+      strategy.name: [fedsvd, ffa_lora]
+      eps: [1, 3, .inf]                     # special key: privacy target; .inf = no DP
+    seeds: [0, 1, 2]
+    metric: eval/accuracy
+    moving_average: 10                      # also report the best k-round moving average
+
+The result is a table of mean ± std over seeds of the final metric (and the best moving average)
+per configuration, printed and logged to the parent run as ``results.csv`` / ``results.md``, with
+plots: the metric per round (mean over seeds) per configuration and, when ``eps`` is in the grid,
+final metric vs ε.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from fedsim import config as C
+from fedsim.engine.history import History
+from fedsim.errors import ConfigError, FedsimError
+
+REPRODUCE_DIR = C.EXPERIMENTS_DIR / "reproduce"
+EPS_KEY = "eps"
+
+
+@dataclass
+class ClaimSpec:
+    experiment: str
+    description: str = ""
+    overrides: list[str] = field(default_factory=list)
+    grid: dict[str, list[Any]] = field(default_factory=dict)
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    metric: str = "eval/accuracy"
+    moving_average: int = 0
+
+
+@dataclass
+class ConfigResult:
+    label: str
+    setting: dict[str, Any]
+    finals: list[float] = field(default_factory=list)
+    best_moving: list[float] = field(default_factory=list)
+    curves: list[list[float]] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+
+    @staticmethod
+    def mean_std(values: list[float]) -> tuple[float, float]:
+        if not values:
+            return float("nan"), float("nan")
+        arr = np.asarray(values, dtype=float)
+        return float(arr.mean()), float(arr.std(ddof=1)) if len(arr) > 1 else 0.0
+
+
+def list_claims() -> list[str]:
+    return sorted(p.stem for p in REPRODUCE_DIR.glob("*.yaml"))
+
+
+def load_claim(name: str, seeds: int | None = None, extra_overrides: list[str] | None = None) -> ClaimSpec:
+    path = Path(name) if name.endswith((".yaml", ".yml")) else REPRODUCE_DIR / f"{name}.yaml"
+    if not path.is_file():
+        raise ConfigError(f"no claim check named {name!r}; known: {', '.join(list_claims()) or 'none'}")
+    try:
+        spec: ClaimSpec = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ClaimSpec), C.read_yaml(path)))  # type: ignore[assignment]
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"{path}: {str(exc).splitlines()[0]}") from None
+    if seeds is not None:
+        if seeds < 1:
+            raise ConfigError(f"--seeds must be >= 1, got {seeds}")
+        spec.seeds = list(range(seeds))
+    spec.overrides = [*spec.overrides, *(extra_overrides or [])]
+    if not spec.grid:
+        raise ConfigError(f"{path}: grid is empty; list at least one key with values")
+    return spec
+
+
+def settings(spec: ClaimSpec) -> list[dict[str, Any]]:
+    keys = list(spec.grid)
+    return [dict(zip(keys, values)) for values in itertools.product(*(spec.grid[k] for k in keys))]
+
+
+def label_of(setting: dict[str, Any]) -> str:
+    def fmt(k: str, v: Any) -> str:
+        short = k.split(".")[-1] if k != EPS_KEY else "ε"
+        if k == EPS_KEY and (v is None or (isinstance(v, float) and math.isinf(v))):
+            return "ε=∞"
+        return f"{short}={v}"
+
+    return ", ".join(fmt(k, v) for k, v in setting.items())
+
+
+def build_config(spec: ClaimSpec, setting: dict[str, Any], seed: int) -> C.ExperimentConfig:
+    overrides = list(spec.overrides)
+    eps = setting.get(EPS_KEY, "absent")
+    for key, value in setting.items():
+        if key != EPS_KEY:
+            overrides.append(f"{key}={value}")
+    cfg = C.load_config(spec.experiment, overrides, {"seed": seed})
+    if eps != "absent":
+        if eps is None or (isinstance(eps, float) and math.isinf(eps)):
+            cfg.privacy.enabled = False
+        else:
+            cfg.privacy.enabled, cfg.privacy.epsilon, cfg.privacy.noise_multiplier = True, float(eps), None
+    C.validate(cfg)
+    return cfg
+
+
+def best_moving_average(values: list[float], k: int) -> float:
+    if k <= 1 or len(values) < k:
+        return max(values) if values else float("nan")
+    kernel = np.ones(k) / k
+    return float(np.convolve(np.asarray(values), kernel, mode="valid").max())
+
+
+def run_claim(
+    name: str,
+    spec: ClaimSpec,
+    *,
+    tracking_uri: str | None = None,
+    on_progress: Callable[[str], None] = lambda msg: None,
+    run_one: Callable[..., Any] | None = None,
+) -> tuple[list[ConfigResult], str | None]:
+    """Run every (setting, seed); a failing run is reported and does not stop the others."""
+    from fedsim.runner import run_experiment
+    from fedsim.tracking import MlflowRecorder, git_commit
+
+    run_one = run_one or run_experiment
+    grid = settings(spec)
+    configs = [(s, seed, build_config(spec, s, seed)) for s in grid for seed in spec.seeds]  # validate all first
+    tracking = configs[0][2].tracking
+    parent = None
+    if tracking.enabled:
+        parent = MlflowRecorder(tracking_uri or tracking.uri, tracking.experiment, run_name=f"reproduce-{name}",
+                                tags={"experiment": f"reproduce/{name}", "kind": "claim-check",
+                                      "git_commit": git_commit()})
+        parent.log_params({"claim": name, "base_experiment": spec.experiment, "seeds": len(spec.seeds),
+                           "grid": str(dict(spec.grid)), "overrides": " ".join(spec.overrides)})
+    results = {label_of(s): ConfigResult(label_of(s), s) for s in grid}
+    status = "FAILED"
+    try:
+        for i, (setting, seed, cfg) in enumerate(configs, 1):
+            res = results[label_of(setting)]
+            on_progress(f"[{i}/{len(configs)}] {res.label}, seed {seed}")
+            try:
+                summary = run_one(cfg, tracking_uri=tracking_uri, parent_run_id=parent.run_id if parent else None,
+                                  run_name=f"{res.label} | seed {seed}")
+            except FedsimError as exc:
+                res.failed.append(f"seed {seed}: {exc}")
+                on_progress(f"    failed: {exc}")
+                continue
+            curve = [v for _, v in _series(summary.history, spec.metric)]
+            res.curves.append(curve)
+            res.finals.append(curve[-1] if curve else float("nan"))
+            res.best_moving.append(best_moving_average(curve[1:], spec.moving_average))
+        status = "FINISHED"
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
+    finally:
+        if parent is not None:
+            if status == "FINISHED":
+                _log_results(parent, name, spec, list(results.values()))
+            parent.finish(status)
+    return list(results.values()), parent.run_id if parent else None
+
+
+def _metric_name(label: str) -> str:
+    """MLflow metric names allow only alphanumerics and ``_-. :/``."""
+    import re
+
+    return re.sub(r"[^A-Za-z0-9_\-. :/]", "_", label.replace("=", ":").replace("ε", "eps").replace("∞", "inf"))
+
+
+def _series(history: History, metric: str) -> list[tuple[int, float]]:
+    return history.series(metric)
+
+
+def results_table_rows(spec: ClaimSpec, results: list[ConfigResult]) -> list[dict[str, str]]:
+    rows = []
+    for r in results:
+        m, s = r.mean_std(r.finals)
+        row = {"configuration": r.label, f"final {spec.metric}": f"{m:.4f} ± {s:.4f}", "runs": str(len(r.finals))}
+        if spec.moving_average:
+            bm, bs = r.mean_std(r.best_moving)
+            row[f"best {spec.moving_average}-round mean"] = f"{bm:.4f} ± {bs:.4f}"
+        if r.failed:
+            row["failed"] = str(len(r.failed))
+        rows.append(row)
+    return rows
+
+
+def _log_results(parent: Any, name: str, spec: ClaimSpec, results: list[ConfigResult]) -> None:
+    import csv
+
+    out = parent.artifact_dir
+    rows = results_table_rows(spec, results)
+    cols = sorted({k for row in rows for k in row}, key=lambda k: list(rows[0]).index(k) if k in rows[0] else 99)
+    with (out / "results.csv").open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["configuration", "seed_index", "final", "best_moving_average"])
+        for r in results:
+            for i, (fin, bm) in enumerate(zip(r.finals, r.best_moving)):
+                writer.writerow([r.label, i, fin, bm])
+    md = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    md += ["| " + " | ".join(row.get(c, "") for c in cols) + " |" for row in rows]
+    (out / "results.md").write_text("\n".join(md) + "\n")
+    parent.log_artifact(out / "results.csv")
+    parent.log_artifact(out / "results.md")
+    for r in results:
+        m, _ = r.mean_std(r.finals)
+        if not math.isnan(m):
+            parent.log_metrics({f"final/{_metric_name(r.label)}": m}, step=0)
+    from fedsim.plots import plot_claim
+
+    for path in plot_claim(spec, results, out, title=f"{name}: {spec.metric}"):
+        parent.log_artifact(path, "plots")
