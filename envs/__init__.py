@@ -1,7 +1,7 @@
 """Where data comes from: offline datasets, Flower Datasets partitioners, federated client splits.
 
-Importing this package registers the built-in datasets (``mnist``, ``digits``, ``synthetic``) and
-partitioners (``iid``, ``dirichlet``, ``pathological``, ``shard``) in :mod:`fedsim.registry`.
+Importing this package registers the built-in datasets (``mnist``, ``digits``, ``synthetic``,
+``stdlib_docs``) and partitioners (``iid``, ``dirichlet``, ``pathological``, ``shard``) in :mod:`fedsim.registry`.
 """
 
 from envs.datasets import ArrayDataset, SyntheticParams, load_digits, load_mnist, load_synthetic
@@ -18,9 +18,12 @@ from envs.federated import (
 )
 from envs.partition import dirichlet, iid, pathological, shard, shard_remainder
 from envs.plots import plot_label_histogram
+from envs.text import STDLIB_FAMILIES, StdlibDocsParams, load_stdlib_docs, stdlib_docs_texts
 
 __all__ = [
     "ArrayDataset",
+    "STDLIB_FAMILIES",
+    "StdlibDocsParams",
     "FederatedData",
     "SyntheticParams",
     "as_data_config",
@@ -32,6 +35,7 @@ __all__ = [
     "load_digits",
     "load_federated_data_cached",
     "load_mnist",
+    "load_stdlib_docs",
     "load_synthetic",
     "partition_pool",
     "pathological",
@@ -40,4 +44,5 @@ __all__ = [
     "shard",
     "shard_remainder",
     "split_client",
+    "stdlib_docs_texts",
 ]

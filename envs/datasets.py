@@ -29,7 +29,11 @@ MNIST_STD = 0.3081
 
 @dataclass
 class ArrayDataset:
-    """Features ``x`` (float32, (N, *input_shape)) and integer labels ``y`` (int64, (N,))."""
+    """Features ``x`` (N, *input_shape) and integer labels ``y`` (int64, (N,)).
+
+    ``x`` is stored as float32, except integer features (token ids of a text set) which stay
+    integer as int64, so a model can embed them.
+    """
 
     x: np.ndarray
     y: np.ndarray
@@ -37,7 +41,8 @@ class ArrayDataset:
     name: str
 
     def __post_init__(self) -> None:
-        self.x = np.asarray(self.x, dtype=np.float32)
+        x = np.asarray(self.x)
+        self.x = x.astype(np.int64, copy=False) if np.issubdtype(x.dtype, np.integer) else x.astype(np.float32, copy=False)
         self.y = np.asarray(self.y, dtype=np.int64)
         if self.y.ndim != 1 or self.x.ndim < 2 or len(self.x) != len(self.y):
             raise ValueError(
@@ -60,7 +65,7 @@ class ArrayDataset:
         return ArrayDataset(self.x[idx], self.y[idx], self.num_classes, self.name)
 
     def to_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(x, y)`` as float32 / int64 tensors sharing memory with the arrays."""
+        """``(x, y)`` as tensors sharing memory with the arrays (x float32 or int64, y int64)."""
         return torch.from_numpy(np.ascontiguousarray(self.x)), torch.from_numpy(np.ascontiguousarray(self.y))
 
 
