@@ -4,6 +4,14 @@ Local work is ``client.local_epochs`` passes over the client's training data, or
 ``client.local_steps`` optimiser steps when set (as FedSVD counts local work).  A fresh optimiser is
 built every round, as in FedAvg.  Batches are drawn from a generator seeded by (root seed, round,
 partition), so every engine draws the same batches.
+
+Two hooks let server-side algorithms shape local training through the round config alone:
+
+* model transforms named under ``"transform"`` (see :mod:`clients.transforms`, e.g. FedPhoenix's
+  filter reset) are applied to the received global model before the optimiser is built;
+* when the config carries ``"proximal-mu"`` (as Flower's ``FedProx`` sends it), the local objective
+  adds FedProx's proximal term ``(mu/2) * ||w - w_global||^2`` over the trainable parameters, with
+  ``w_global`` the model as received (before any transform).
 """
 
 from __future__ import annotations
@@ -16,12 +24,16 @@ import torch
 from torch import nn
 
 from clients.base import EvalResult, Learner, NodeContext, StateDict, TrainResult
+from clients.transforms import apply_transforms
 from envs.federated import FederatedData, load_federated_data_cached
 from envs.plots import plot_label_histogram
 from fedsim.config import ExperimentConfig
 from fedsim.models import build_model
 from fedsim.registry import LEARNERS
 from fedsim.seeding import derive_seed
+
+#: Round-config key of FedProx's proximal coefficient (the key Flower's ``FedProx`` strategy sends).
+PROXIMAL_MU = "proximal-mu"
 
 
 @dataclass
@@ -35,6 +47,12 @@ def make_optimizer(model: nn.Module, cfg: ExperimentConfig) -> torch.optim.Optim
     if c.optimizer == "adam":
         return torch.optim.Adam(params, lr=c.lr, weight_decay=c.weight_decay)
     return torch.optim.SGD(params, lr=c.lr, momentum=c.momentum, weight_decay=c.weight_decay)
+
+
+def proximal_term(model: nn.Module, anchor: list[torch.Tensor], mu: float) -> torch.Tensor:
+    """FedProx's ``(mu/2) * sum_p ||p - anchor_p||^2`` over the trainable parameters, in order."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return (mu / 2) * sum(((p - a) ** 2).sum() for p, a in zip(params, anchor, strict=True))
 
 
 def iterate_batches(n: int, batch_size: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
@@ -74,6 +92,7 @@ class SupervisedLearner(Learner):
         super().__init__(cfg, params)
         self._data: FederatedData | None = None
         self._model: nn.Module | None = None
+        self._anchor: list[torch.Tensor] | None = None  # w_global for the proximal term
 
     # -- resident state ---------------------------------------------------------------------
     @property
@@ -106,6 +125,9 @@ class SupervisedLearner(Learner):
         ds = self.data.client_train(ctx.partition_id, ctx.server_round)
         x, y = ds.to_tensors()
         model = self._load(arrays)
+        self._anchor = ([p.detach().clone() for p in model.parameters() if p.requires_grad]
+                        if PROXIMAL_MU in ctx.config else None)
+        transformed = apply_transforms(model, ctx.config)
         model.train()
         torch.manual_seed(ctx.seed("torch"))  # dropout and any other global-RNG use
         optimizer = make_optimizer(model, self.cfg)
@@ -122,11 +144,16 @@ class SupervisedLearner(Learner):
             optimizer.step()
             loss_sum += float(loss.detach())
         out = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        return TrainResult(out, num_examples=len(y), metrics={"train_loss": loss_sum / steps, "local_steps": float(steps)})
+        self._anchor = None
+        metrics = {"train_loss": loss_sum / steps, "local_steps": float(steps), **transformed}
+        return TrainResult(out, num_examples=len(y), metrics=metrics)
 
     def loss(self, model: nn.Module, xb: torch.Tensor, yb: torch.Tensor, ctx: NodeContext) -> torch.Tensor:
-        """The local objective; strategies such as FedProx extend it in subclasses."""
-        return nn.functional.cross_entropy(model(xb), yb)
+        """The local objective: cross-entropy, plus FedProx's proximal term when the round asks."""
+        loss = nn.functional.cross_entropy(model(xb), yb)
+        if self._anchor is not None:
+            loss = loss + proximal_term(model, self._anchor, float(ctx.config[PROXIMAL_MU]))
+        return loss
 
     def evaluate(self, arrays: StateDict, ctx: NodeContext) -> EvalResult:
         ds = self.data.client_test(ctx.partition_id)
