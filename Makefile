@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/fedsim run fedavg
+	$(BIN)/fedsim run fedsvd --eps 3
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -65,6 +65,8 @@ class EvalResult:
 class Learner(ABC):
     """Base class of node-side learners; subclasses register under ``fedsim.registry.LEARNERS``."""
 
+    supports_dp: bool = False  # True when the learner honours cfg.privacy (DP-SGD)
+
     def __init__(self, cfg: ExperimentConfig, params: Any) -> None:
         self.cfg = cfg
         self.params = params
@@ -80,6 +82,9 @@ class Learner(ABC):
     @abstractmethod
     def evaluate(self, arrays: StateDict, ctx: NodeContext) -> EvalResult:
         """Client-side evaluation of ``arrays`` on the node's own test data."""
+
+    def preflight(self) -> None:
+        """Checks that need the learner's data (e.g. privacy calibration); raise ConfigError."""
 
     def evaluate_global(self, arrays: StateDict) -> dict[str, float]:
         """Server-side (centralised) evaluation on held-out data; empty if the learner has none."""

@@ -5,6 +5,18 @@ Local work is ``client.local_epochs`` passes over the client's training data, or
 built every round, as in FedAvg.  Batches are drawn from a generator seeded by (root seed, round,
 partition), so every engine draws the same batches.
 
+Models that declare ``federated_keys`` (LoRA adapters over a frozen pretrained encoder) exchange
+only those keys: the server's initial state holds them (with the wrapped base weights), clients
+load whatever subset the strategy sends and reply with the parameters they trained.  The round
+config keys ``lora-train-A`` / ``lora-train-B`` (sent by the LoRA strategies) choose which factors
+train; the classifier head trains when the model's ``train_head`` param says so.
+
+With ``privacy.enabled`` local training is Opacus DP-SGD (:mod:`privacy.dp_sgd`) with the client's
+own calibrated σ (:mod:`privacy.plan`); the reply carries the steps, rate and σ for the server's
+privacy ledger, and a client whose next round would exceed its budget refuses to train (a counted
+client failure, logged with the reason).  DP-SGD clips per-sample gradients of the cross-entropy
+only, so FedProx's proximal term (not a per-sample loss) is rejected under DP.
+
 Two hooks let server-side algorithms shape local training through the round config alone:
 
 * model transforms named under ``"transform"`` (see :mod:`clients.transforms`, e.g. FedPhoenix's
@@ -25,15 +37,28 @@ from torch import nn
 
 from clients.base import EvalResult, Learner, NodeContext, StateDict, TrainResult
 from clients.transforms import apply_transforms
+from fedsim.errors import ConfigError
 from envs.federated import FederatedData, load_federated_data_cached
 from envs.plots import plot_label_histogram
 from fedsim.config import ExperimentConfig
 from fedsim.models import build_model
 from fedsim.registry import LEARNERS
 from fedsim.seeding import derive_seed
+from privacy.accounting import epsilon_for
+from privacy.dp_sgd import private_local_training
+from privacy.ledger import CLIENT_EPSILON, NOISE, SAMPLE_RATE, STEPS
+from privacy.plan import ClientPrivacyPlan, plan_client
 
 #: Round-config key of FedProx's proximal coefficient (the key Flower's ``FedProx`` strategy sends).
 PROXIMAL_MU = "proximal-mu"
+#: Round-config keys of the LoRA strategies: which adapter factors the client trains.
+LORA_TRAIN_A, LORA_TRAIN_B = "lora-train-A", "lora-train-B"
+#: Per-node state record of the DP steps this client has spent.
+DP_STATE = "dp-spent"
+
+
+class PrivacyBudgetExhausted(RuntimeError):
+    """The client's next round would take its ε past the target: it does not train."""
 
 
 @dataclass
@@ -88,11 +113,14 @@ def evaluate_model(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_siz
 class SupervisedLearner(Learner):
     """Cross-entropy training of a registered model on labelled arrays from ``envs``."""
 
+    supports_dp = True
+
     def __init__(self, cfg: ExperimentConfig, params: SupervisedParams) -> None:
         super().__init__(cfg, params)
         self._data: FederatedData | None = None
         self._model: nn.Module | None = None
         self._anchor: list[torch.Tensor] | None = None  # w_global for the proximal term
+        self._plans: dict[int, ClientPrivacyPlan] = {}
 
     # -- resident state ---------------------------------------------------------------------
     @property
@@ -112,25 +140,94 @@ class SupervisedLearner(Learner):
 
     def _load(self, arrays: StateDict) -> nn.Module:
         model = self.model
-        model.load_state_dict(arrays, strict=True)
+        if hasattr(model, "federated_keys"):  # adapters: the strategy sends a subset of the keys
+            unknown = set(arrays) - set(model.state_dict())
+            if unknown:
+                raise KeyError(f"arrays carry keys the model does not have: {sorted(unknown)[:3]}")
+            model.load_state_dict(arrays, strict=False)
+        else:
+            model.load_state_dict(arrays, strict=True)
         return model
+
+    def _set_trainable(self, model: nn.Module, ctx: NodeContext) -> None:
+        if hasattr(model, "set_trainable"):
+            mp = model.params
+            model.set_trainable(A=bool(ctx.config.get(LORA_TRAIN_A, mp.train_A)),
+                                B=bool(ctx.config.get(LORA_TRAIN_B, True)), head=mp.train_head)
+
+    @staticmethod
+    def _reply_arrays(model: nn.Module) -> StateDict:
+        """Everything for plain models; only what was trained for adapter models."""
+        state = model.state_dict()
+        keys = model.trainable_keys() if hasattr(model, "federated_keys") else list(state)
+        return {k: state[k].detach().clone() for k in keys}
+
+    # -- privacy --------------------------------------------------------------------------------
+    def privacy_plan(self, partition_id: int) -> ClientPrivacyPlan:
+        if partition_id not in self._plans:
+            n = len(self.data.client_train(partition_id).y)
+            self._plans[partition_id] = plan_client(partition_id, n, self.cfg)
+        return self._plans[partition_id]
+
+    def preflight(self) -> None:
+        if not self.cfg.privacy.enabled:
+            return
+        if self.cfg.strategy.name == "fedprox":
+            raise ConfigError("fedprox's proximal term is not a per-sample loss, so DP-SGD cannot clip it; "
+                              "drop --eps or use another strategy")
+        for pid in range(self.cfg.num_clients):
+            self.privacy_plan(pid)
+
+    def _train_private(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, ctx: NodeContext,
+                       optimizer: torch.optim.Optimizer) -> tuple[float, int, dict[str, float]]:
+        p = self.cfg.privacy
+        plan = self.privacy_plan(ctx.partition_id)
+        spent = int(ctx.state[DP_STATE]["steps"]) if DP_STATE in ctx.state else 0
+        eps_next = epsilon_for(plan.noise_multiplier, plan.accounting_rate, spent + plan.steps_per_round,
+                               p.delta, p.accountant)
+        if p.epsilon is not None and not p.amplify_client_sampling and eps_next > p.epsilon * (1 + 1e-9):
+            raise PrivacyBudgetExhausted(f"client {ctx.partition_id} privacy budget exhausted: another round "
+                                         f"would reach ε={eps_next:.3f} > {p.epsilon}")
+        result = private_local_training(model, optimizer, x, y, privacy=p, batch_size=self.cfg.client.batch_size,
+                                        steps=plan.steps_per_round, noise_multiplier=plan.noise_multiplier,
+                                        batch_seed=ctx.seed("dp-batches"), noise_seed=ctx.seed("dp-noise"))
+        from flwr.app import MetricRecord
+
+        ctx.state[DP_STATE] = MetricRecord({"steps": spent + result.steps})
+        eps = epsilon_for(plan.noise_multiplier, plan.accounting_rate, spent + result.steps, p.delta, p.accountant)
+        metrics = {STEPS: float(result.steps), SAMPLE_RATE: plan.accounting_rate, NOISE: plan.noise_multiplier,
+                   CLIENT_EPSILON: eps}
+        return result.mean_loss, result.steps, metrics
 
     # -- Learner API --------------------------------------------------------------------------
     def init_arrays(self) -> StateDict:
         torch.manual_seed(derive_seed(self.cfg.seed, "model-init"))
         model = self._build_model()
-        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+        state = model.state_dict()
+        keys = model.federated_keys(include_base=True) if hasattr(model, "federated_keys") else list(state)
+        return {k: state[k].detach().clone() for k in keys}
 
     def train(self, arrays: StateDict, ctx: NodeContext) -> TrainResult:
         ds = self.data.client_train(ctx.partition_id, ctx.server_round)
         x, y = ds.to_tensors()
         model = self._load(arrays)
+        self._set_trainable(model, ctx)
         self._anchor = ([p.detach().clone() for p in model.parameters() if p.requires_grad]
                         if PROXIMAL_MU in ctx.config else None)
         transformed = apply_transforms(model, ctx.config)
         model.train()
         torch.manual_seed(ctx.seed("torch"))  # dropout and any other global-RNG use
         optimizer = make_optimizer(model, self.cfg)
+        if self.cfg.privacy.enabled:
+            mean_loss, steps, extra = self._train_private(model, x, y, ctx, optimizer)
+        else:
+            mean_loss, steps, extra = self._train_plain(model, x, y, ctx, optimizer), num_local_steps(len(y), self.cfg), {}
+        self._anchor = None
+        metrics = {"train_loss": mean_loss, "local_steps": float(steps), **transformed, **extra}
+        return TrainResult(self._reply_arrays(model), num_examples=len(y), metrics=metrics)
+
+    def _train_plain(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, ctx: NodeContext,
+                     optimizer: torch.optim.Optimizer) -> float:
         batches = iterate_batches(len(y), self.cfg.client.batch_size, torch.Generator().manual_seed(ctx.seed("batches")))
         steps = num_local_steps(len(y), self.cfg)
         loss_sum = 0.0
@@ -143,10 +240,7 @@ class SupervisedLearner(Learner):
                 nn.utils.clip_grad_norm_(model.parameters(), self.params.grad_clip)
             optimizer.step()
             loss_sum += float(loss.detach())
-        out = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        self._anchor = None
-        metrics = {"train_loss": loss_sum / steps, "local_steps": float(steps), **transformed}
-        return TrainResult(out, num_examples=len(y), metrics=metrics)
+        return loss_sum / steps
 
     def loss(self, model: nn.Module, xb: torch.Tensor, yb: torch.Tensor, ctx: NodeContext) -> torch.Tensor:
         """The local objective: cross-entropy, plus FedProx's proximal term when the round asks."""

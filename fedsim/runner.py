@@ -82,7 +82,9 @@ def run_experiment(
     spec = RunSpec.from_config(cfg)
     learner = get_learner(spec)
     # Build data now, so data errors surface before an MLflow run exists.
+    learner.preflight()
     setup = learner.setup_summary()
+    ledger = _privacy_ledger(cfg, learner, setup)
     history = History()
     recorder = None
     if cfg.tracking.enabled:
@@ -95,7 +97,7 @@ def run_experiment(
             tags["mlflow.parentRunId"] = parent_run_id
         recorder = MlflowRecorder(tracking_uri or cfg.tracking.uri, cfg.tracking.experiment,
                                   run_name=run_name or f"{cfg.name}-seed{cfg.seed}", tags=tags)
-    all_observers: list[RoundObserver] = [history, *(observers or [])]
+    all_observers: list[RoundObserver] = [*([ledger] if ledger else []), history, *(observers or [])]
     if recorder is not None:
         all_observers.append(recorder)
     previous_term = signal.getsignal(signal.SIGTERM)
@@ -119,6 +121,8 @@ def run_experiment(
         wall = time.perf_counter() - start
         if recorder is not None:
             _log_outputs(recorder, cfg, history, result, wall)
+            if ledger is not None:
+                recorder.log_artifact(ledger.write_csv(recorder.artifact_dir / "privacy_ledger.csv"))
         status = "FINISHED"
     except (KeyboardInterrupt, _Terminated):
         status = "KILLED"
@@ -132,6 +136,21 @@ def run_experiment(
             pass
     return RunSummary(history, result.arrays, wall, recorder.run_id if recorder else None,
                       recorder.uri if recorder else None)
+
+
+def _privacy_ledger(cfg: C.ExperimentConfig, learner: Any, setup: dict[str, Any]) -> Any:
+    """The server-side privacy ledger of a DP run (None without DP); adds the privacy params."""
+    if not cfg.privacy.enabled:
+        return None
+    from privacy.ledger import PrivacyLedger
+
+    plans = {pid: learner.privacy_plan(pid) for pid in range(cfg.num_clients)}
+    sigmas = [p.noise_multiplier for p in plans.values()]
+    setup.update({"privacy.noise_multiplier": max(sigmas), "privacy.noise_multiplier_min": min(sigmas),
+                  "privacy.target_epsilon": cfg.privacy.epsilon, "privacy.delta": cfg.privacy.delta})
+    charge = ({pid: (p.steps_per_round, p.accounting_rate, p.noise_multiplier) for pid, p in plans.items()}
+              if cfg.privacy.amplify_client_sampling else None)
+    return PrivacyLedger(cfg.num_clients, cfg.privacy.delta, cfg.privacy.accountant, charge)
 
 
 def _log_outputs(recorder: Any, cfg: C.ExperimentConfig, history: History, result: ServerResult, wall: float) -> None:

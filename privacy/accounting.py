@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 
 from opacus.accountants.utils import create_accountant, get_noise_multiplier
 
@@ -36,15 +37,21 @@ def epsilon_for(noise_multiplier: float, sample_rate: float, steps: int, delta: 
         return 0.0
     acc = create_accountant(mechanism=accountant)
     acc.history = [(noise_multiplier, sample_rate, steps)]
-    return float(acc.get_epsilon(delta=delta))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # RDP's "optimal order is the largest alpha"
+        warnings.simplefilter("ignore", RuntimeWarning)  # PRV's log(1 - q) at q = 1
+        return float(acc.get_epsilon(delta=delta))
 
 
 @functools.lru_cache(maxsize=256)
 def calibrate_noise(target_epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str) -> float:
     """Smallest σ (to Opacus' tolerance) with ε(σ, q, steps) ≤ target, via Opacus' binary search."""
     try:
-        sigma = get_noise_multiplier(target_epsilon=target_epsilon, target_delta=delta, sample_rate=sample_rate,
-                                     steps=steps, accountant=accountant, epsilon_tolerance=0.01)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            warnings.simplefilter("ignore", RuntimeWarning)
+            sigma = get_noise_multiplier(target_epsilon=target_epsilon, target_delta=delta, sample_rate=sample_rate,
+                                         steps=steps, accountant=accountant, epsilon_tolerance=0.01)
     except ValueError as exc:
         raise ConfigError(f"privacy: cannot reach ε={target_epsilon} at δ={delta} with {steps} steps at sampling "
                           f"rate {sample_rate:.4g} ({exc}); raise --eps or use fewer rounds/local steps") from None

@@ -46,6 +46,16 @@ def private_local_training(
     noise_seed: int,
 ) -> DPRoundResult:
     """Run ``steps`` DP-SGD steps of cross-entropy training on (x, y); the model is left unwrapped."""
+    with warnings.catch_warnings():
+        # Opacus' known notices: "Secure RNG turned off" (intended: seeded simulation) and the
+        # full-backward-hook notice for frozen inputs.
+        warnings.simplefilter("ignore", UserWarning)
+        return _run(model, optimizer, x, y, privacy, batch_size, steps, noise_multiplier, batch_seed, noise_seed)
+
+
+def _run(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+         privacy: PrivacyConfig, batch_size: int, steps: int, noise_multiplier: float, batch_seed: int,
+         noise_seed: int) -> DPRoundResult:
     loader = DataLoader(TensorDataset(x, y), batch_size=batch_size,
                         generator=torch.Generator().manual_seed(batch_seed))
     engine = PrivacyEngine(accountant=privacy.accountant, secure_mode=False)
@@ -53,13 +63,11 @@ def private_local_training(
                   max_grad_norm=privacy.max_grad_norm, poisson_sampling=True,
                   grad_sample_mode=privacy.grad_sample_mode,
                   noise_generator=torch.Generator().manual_seed(noise_seed))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "secure RNG turned off", full-backward-hook notices
-        if privacy.grad_sample_mode == "ghost":
-            module, dp_opt, criterion, dp_loader = engine.make_private(criterion=nn.CrossEntropyLoss(), **kwargs)
-        else:
-            module, dp_opt, dp_loader = engine.make_private(**kwargs)
-            criterion = nn.CrossEntropyLoss()
+    if privacy.grad_sample_mode == "ghost":
+        module, dp_opt, criterion, dp_loader = engine.make_private(criterion=nn.CrossEntropyLoss(), **kwargs)
+    else:
+        module, dp_opt, dp_loader = engine.make_private(**kwargs)
+        criterion = nn.CrossEntropyLoss()
     taken, loss_sum, seen = 0, 0.0, 0
     try:
         module.train()

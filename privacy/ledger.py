@@ -38,9 +38,13 @@ class ClientEntry:
 class PrivacyLedger:
     """Server-side per-client ledger; an observer of rounds."""
 
-    def __init__(self, num_clients: int, delta: float, accountant: str) -> None:
+    def __init__(self, num_clients: int, delta: float, accountant: str,
+                 charge_every_round: dict[int, tuple[int, float, float]] | None = None) -> None:
+        """``charge_every_round`` maps client -> (steps, rate, σ) charged each round whether or not
+        the client was sampled: the accounting that amplification by client sampling assumes."""
         self.delta = delta
         self.accountant = accountant
+        self.charge_every_round = charge_every_round
         self.entries = {k: ClientEntry(k, delta=delta) for k in range(num_clients)}
 
     def record(self, client: int, steps: int, sample_rate: float, noise_multiplier: float) -> ClientEntry:
@@ -54,9 +58,13 @@ class PrivacyLedger:
         return e
 
     def on_round(self, record: RoundRecord) -> None:
-        for client, metrics in sorted(record.client_metrics.items()):
-            if STEPS in metrics:
-                self.record(client, int(metrics[STEPS]), float(metrics[SAMPLE_RATE]), float(metrics[NOISE]))
+        if self.charge_every_round is not None and record.round > 0:
+            for client, (steps, rate, sigma) in sorted(self.charge_every_round.items()):
+                self.record(client, steps, rate, sigma)
+        else:
+            for client, metrics in sorted(record.client_metrics.items()):
+                if STEPS in metrics:
+                    self.record(client, int(metrics[STEPS]), float(metrics[SAMPLE_RATE]), float(metrics[NOISE]))
         if record.round > 0:
             eps = [e.epsilon for e in self.entries.values()]
             record.metrics["privacy/epsilon_max"] = max(eps)

@@ -57,8 +57,9 @@ def required_results(spec: RunSpec) -> int:
 
 
 def _prefixed(prefix: str, metrics: dict[str, float], rename: dict[str, str] | None = None) -> dict[str, float]:
+    """Round means of client metrics; namespaced keys (``privacy/...``) stay per client only."""
     rename = rename or {}
-    return {f"{prefix}/{rename.get(k, k)}": float(v) for k, v in metrics.items()}
+    return {f"{prefix}/{rename.get(k, k)}": float(v) for k, v in metrics.items() if "/" not in k}
 
 
 def run_server(grid: Grid, spec: RunSpec, observers: list[RoundObserver]) -> ServerResult:

@@ -1,0 +1,53 @@
+"""Per-client DP-SGD plan: sampling rate, steps per round, and the noise multiplier σ.
+
+σ is calibrated per client so that the client's ε stays ≤ ``privacy.epsilon`` for the whole run
+under the assumption that it takes part in every round (steps = rounds × steps per round).  A
+client's sampling rate depends on its dataset size, so σ differs between clients; the ledger
+records each client's own σ.  With ``privacy.amplify_client_sampling`` the client-sampling fraction
+is folded into the rate as the FedSVD authors do, and the ledger then charges every client for
+every round (sampled or not), which is what that accounting assumes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from fedsim.config import ExperimentConfig
+from fedsim.errors import ConfigError
+from privacy.accounting import calibrate_noise, poisson_sample_rate
+
+
+@dataclass(frozen=True)
+class ClientPrivacyPlan:
+    num_examples: int
+    loader_rate: float  # Opacus' Poisson rate of the client's loader, 1/⌈n/B⌉
+    accounting_rate: float  # the rate the ledger accounts with (× fraction_train when amplified)
+    steps_per_round: int
+    total_steps: int
+    noise_multiplier: float
+
+
+def steps_per_round(num_examples: int, cfg: ExperimentConfig) -> int:
+    if cfg.client.local_steps is not None:
+        return cfg.client.local_steps
+    return cfg.client.local_epochs * math.ceil(num_examples / cfg.client.batch_size)
+
+
+def plan_client(partition_id: int, num_examples: int, cfg: ExperimentConfig) -> ClientPrivacyPlan:
+    p = cfg.privacy
+    if num_examples < 1:
+        raise ConfigError(f"privacy: client {partition_id} has no training examples; use fewer clients")
+    if p.delta >= 1.0 / num_examples:
+        raise ConfigError(f"privacy.delta={p.delta:g} is not below 1/n = {1 / num_examples:.3g} for client "
+                          f"{partition_id} ({num_examples} examples); lower privacy.delta")
+    loader_rate = poisson_sample_rate(num_examples, cfg.client.batch_size)
+    rate = loader_rate * cfg.strategy.fraction_train if p.amplify_client_sampling else loader_rate
+    per_round = steps_per_round(num_examples, cfg)
+    total = cfg.rounds * per_round
+    if p.noise_multiplier is not None:
+        sigma = float(p.noise_multiplier)
+    else:
+        assert p.epsilon is not None
+        sigma = calibrate_noise(float(p.epsilon), p.delta, rate, total, p.accountant)
+    return ClientPrivacyPlan(num_examples, loader_rate, rate, per_round, total, sigma)

@@ -1,0 +1,128 @@
+"""DP-SGD end to end: the budget holds, the ledger matches the accountant, adapters stay finite."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+import torch
+from mlflow import MlflowClient
+
+from fedsim import config as C
+from fedsim.cli import main
+from fedsim.engine.runtime import RunSpec, get_learner
+from fedsim.errors import ConfigError
+from fedsim.registry import LEARNERS
+from fedsim.runner import run_experiment
+from privacy.accounting import epsilon_for
+from strategies.lora import A_SUFFIX, B_SUFFIX, BASE_SUFFIX
+
+DIGITS = ["data.name=digits", "model.name=mlp", "data.partition.name=iid", "client.local_steps=3"]
+TINY_TEXT = ["data.params.max_len=16", "data.params.per_class=30", "client.local_steps=2", "client.batch_size=8",
+             "privacy.max_physical_batch_size=8", "engine.threads_per_client=1", "strategy.fraction_train=1.0"]
+
+
+def cfg_of(name: str, *overrides: str, **flags) -> C.ExperimentConfig:
+    cfg = C.load_config(name, list(overrides), flags)
+    cfg.tracking.enabled = False
+    return cfg
+
+
+def test_fedavg_eps_run_logs_ledger_matching_accountant(tracking_uri, capsys) -> None:
+    assert main(["run", "fedavg", *DIGITS, "--eps", "3", "--rounds", "2", "--clients", "3",
+                 "--tracking-uri", tracking_uri, "--quiet"]) == 0
+    client = MlflowClient(tracking_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("fedsim").experiment_id])
+    assert run.data.metrics["privacy/epsilon_max"] <= 3.0
+    assert run.data.params["privacy.target_epsilon"] == "3.0" and float(run.data.params["privacy.noise_multiplier"]) > 0
+    path = client.download_artifacts(run.info.run_id, "privacy_ledger.csv")
+    rows = list(csv.DictReader(open(path)))
+    assert [r["client"] for r in rows] == ["0", "1", "2"]
+    for r in rows:
+        eps = epsilon_for(float(r["noise_multiplier"]), float(r["sample_rate"]), int(r["steps"]), float(r["delta"]), "prv")
+        assert float(r["epsilon"]) == pytest.approx(eps, rel=1e-12)
+        assert int(r["rounds"]) == 2 and int(r["steps"]) == 6 and eps <= 3.0
+    assert max(float(r["epsilon"]) for r in rows) == pytest.approx(run.data.metrics["privacy/epsilon_max"])
+
+
+def test_dp_runs_are_reproducible_and_noisier_than_plain() -> None:
+    a = run_experiment(cfg_of("fedavg", *DIGITS, "privacy.enabled=true", "privacy.epsilon=1.0", rounds=2, clients=3))
+    b = run_experiment(cfg_of("fedavg", *DIGITS, "privacy.enabled=true", "privacy.epsilon=1.0", rounds=2, clients=3))
+    plain = run_experiment(cfg_of("fedavg", *DIGITS, rounds=2, clients=3))
+    assert a.history.as_rows() == b.history.as_rows()
+    assert a.history.final()["eval/loss"] != plain.history.final()["eval/loss"]
+
+
+def test_budget_exhausted_client_refuses_to_train() -> None:
+    from flwr.app import MetricRecord, RecordDict
+
+    from clients.base import NodeContext
+    from clients.supervised import DP_STATE, PrivacyBudgetExhausted
+
+    cfg = cfg_of("fedavg", *DIGITS, "privacy.enabled=true", "privacy.epsilon=2.0", rounds=2, clients=2)
+    learner = LEARNERS.get("supervised")(cfg, LEARNERS.params("supervised", {}, "client.params"))
+    plan = learner.privacy_plan(0)
+    state = RecordDict({DP_STATE: MetricRecord({"steps": plan.total_steps})})
+    ctx = NodeContext(partition_id=0, num_partitions=2, server_round=3, root_seed=0, state=state)
+    with pytest.raises(PrivacyBudgetExhausted, match="budget exhausted"):
+        learner.train(learner.init_arrays(), ctx)
+
+
+def test_delta_must_be_below_one_over_n() -> None:
+    cfg = cfg_of("fedavg", *DIGITS, "privacy.enabled=true", "privacy.epsilon=3.0", "privacy.delta=0.01", rounds=1, clients=3)
+    with pytest.raises(ConfigError, match=r"privacy.delta=0.01 is not below 1/n"):
+        run_experiment(cfg)
+
+
+def test_eps_rejected_for_learner_without_dp(capsys) -> None:
+    from clients.supervised import SupervisedLearner
+
+    @LEARNERS.register("no_dp_test_learner")
+    class NoDP(SupervisedLearner):
+        supports_dp = False
+
+    code = main(["run", "fedavg", "client.learner=no_dp_test_learner", "--eps", "3", "--no-tracking"])
+    assert code == 2
+    assert "has no differential privacy" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_fedphoenix_under_dp_spends_what_fedavg_spends() -> None:
+    """The reset is data-independent: the same plan, steps and ε as FedAvg under DP."""
+    common = ["data.name=digits", "client.local_steps=2", "strategy.fraction_train=0.5", "model.params.channels=[64,64]",
+              "privacy.enabled=true", "privacy.epsilon=3.0", "privacy.accountant=rdp"]
+    phx = run_experiment(cfg_of("fedphoenix", *common, rounds=2, clients=4))
+    avg = run_experiment(cfg_of("fedphoenix", *common, "strategy.name=fedavg", rounds=2, clients=4))
+    assert phx.history.final()["privacy/epsilon_max"] == avg.history.final()["privacy/epsilon_max"] <= 3.0
+    assert any(r.metrics != avg.history.records[i].metrics for i, r in enumerate(phx.history.records[1:], 1))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_fedsvd_dp_adapter_is_finite_changes_and_keeps_base() -> None:
+    cfg = cfg_of("fedsvd", *TINY_TEXT, rounds=2, clients=2)
+    summary = run_experiment(cfg)
+    init = get_learner(RunSpec.from_config(cfg)).init_arrays()
+    final = summary.final_arrays
+    assert all(torch.isfinite(v).all() for v in final.values())
+    b_keys = [k for k in final if k.endswith(B_SUFFIX)]
+    assert b_keys and all(final[k].abs().sum() > 0 for k in b_keys)  # B left zero-init
+    for k in final:
+        if k.endswith(BASE_SUFFIX):
+            assert torch.equal(final[k], init[k]), k  # FedSVD never touches W
+        if k.endswith(A_SUFFIX):
+            a = final[k].double()
+            torch.testing.assert_close(a @ a.T, torch.eye(a.shape[0], dtype=torch.float64), atol=1e-4, rtol=0)
+    acc = [v for _, v in summary.history.series("eval/accuracy")]
+    assert acc[-1] != acc[0]
+    assert summary.history.final()["privacy/epsilon_max"] <= 3.0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_fedsvd_without_refactor_and_dp_equals_ffa_lora() -> None:
+    base = [*TINY_TEXT, "privacy.enabled=false"]
+    svd_off = run_experiment(cfg_of("fedsvd", *base, "strategy.params.svd_period=0", rounds=2, clients=2))
+    ffa = run_experiment(cfg_of("fedsvd", *base, "strategy.name=ffa_lora", "strategy.params={}", rounds=2, clients=2))
+    assert svd_off.history.as_rows() == ffa.history.as_rows()
+    assert all(torch.equal(v, ffa.final_arrays[k]) for k, v in svd_off.final_arrays.items())
