@@ -17,7 +17,7 @@ $(BIN)/python:
 # torch first, from the pinned CPU wheel, so nothing can resolve a CUDA build.
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet "torch==2.13.0" $(PIPQ)
-	$(BIN)/python -m pip install --quiet -e ".[dev]" $(PIPQ)
+	PYTHONWARNINGS=ignore $(BIN)/python -m pip install --quiet -e ".[dev]" $(PIPQ)
 	touch $(STAMP)
 
 install: $(STAMP)
