@@ -59,13 +59,7 @@ def plot_claim(spec, results, out_dir: Path, title: str) -> list[Path]:
         ax.fill_between(xs, mean - std, mean + std, alpha=0.15)
     ax.set_xlabel("round")
     ax.set_ylabel(spec.metric)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    ax.set_title(title)
-    fig.tight_layout()
-    paths.append(out_dir / "curves.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(_finish(fig, ax, title, out_dir / "curves.png", legend_size=7))
     if "eps" in spec.grid:
         others = [k for k in spec.grid if k != "eps"]
         groups: dict[str, list] = {}
@@ -91,11 +85,15 @@ def plot_claim(spec, results, out_dir: Path, title: str) -> list[Path]:
         ax.set_xticklabels([f"{t:g}" for t in ticks[:-1]] + ["∞"])
         ax.set_xlabel("target ε (∞ = no DP)")
         ax.set_ylabel(f"final {spec.metric}")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        ax.set_title(title)
-        fig.tight_layout()
-        paths.append(out_dir / "metric_vs_eps.png")
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        paths.append(_finish(fig, ax, title, out_dir / "metric_vs_eps.png", legend_size=8))
     return paths
+
+
+def _finish(fig, ax, title: str, path: Path, legend_size: int) -> Path:
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=legend_size)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

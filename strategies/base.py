@@ -22,3 +22,11 @@ class StrategyContext:
         if self.cfg.strategy.fraction_evaluate == 0.0:
             return 0
         return max(1, int(self.num_clients * self.cfg.strategy.fraction_evaluate))
+
+    def fedavg_kwargs(self) -> dict[str, float | int]:
+        """Sampling arguments of Flower's FedAvg family; ``min_*_nodes`` are the intended sample
+        sizes, so round 1 never samples too few nodes while clients register."""
+        s = self.cfg.strategy
+        return dict(fraction_train=s.fraction_train, fraction_evaluate=s.fraction_evaluate,
+                    min_train_nodes=self.train_sample_size, min_evaluate_nodes=self.evaluate_sample_size,
+                    min_available_nodes=self.num_clients)

@@ -134,15 +134,10 @@ class FedMut(FedAvg):
 def build_fedmut(ctx: StrategyContext, params: FedMutParams) -> FedMut:
     if params.acc_bound < 0:
         raise ConfigError(f"strategy.params.acc_bound must be >= 0, got {params.acc_bound}")
-    s = ctx.cfg.strategy
     return FedMut(
         root_seed=ctx.cfg.seed,
         alpha=params.alpha,
         acc_rate=params.acc_rate,
         acc_bound=params.acc_bound,
-        fraction_train=s.fraction_train,
-        fraction_evaluate=s.fraction_evaluate,
-        min_train_nodes=ctx.train_sample_size,
-        min_evaluate_nodes=ctx.evaluate_sample_size,
-        min_available_nodes=ctx.num_clients,
+        **ctx.fedavg_kwargs(),
     )

@@ -143,7 +143,6 @@ def build_fedphoenix(ctx: StrategyContext, params: FedPhoenixParams) -> FedPhoen
         raise ConfigError(f"strategy.params.reset_fraction must be in [0, 1], got {params.reset_fraction}")
     cfg = ctx.cfg
     reset_rounds = params.reset_rounds if params.reset_rounds is not None else params.reset_fraction * cfg.rounds
-    s = cfg.strategy
     return FedPhoenix(
         root_seed=cfg.seed,
         theta=params.theta,
@@ -151,9 +150,5 @@ def build_fedphoenix(ctx: StrategyContext, params: FedPhoenixParams) -> FedPhoen
         total_rounds=cfg.rounds,
         distribution=params.distribution,
         scale=params.scale,
-        fraction_train=s.fraction_train,
-        fraction_evaluate=s.fraction_evaluate,
-        min_train_nodes=ctx.train_sample_size,
-        min_evaluate_nodes=ctx.evaluate_sample_size,
-        min_available_nodes=ctx.num_clients,
+        **ctx.fedavg_kwargs(),
     )

@@ -32,12 +32,7 @@ class FedProxParams:
 def build_fedprox(ctx: StrategyContext, params: FedProxParams) -> FedProx:
     if params.mu < 0:
         raise ConfigError(f"strategy.params.mu must be >= 0, got {params.mu}")
-    s = ctx.cfg.strategy
     return FedProx(
-        fraction_train=s.fraction_train,
-        fraction_evaluate=s.fraction_evaluate,
-        min_train_nodes=ctx.train_sample_size,
-        min_evaluate_nodes=ctx.evaluate_sample_size,
-        min_available_nodes=ctx.num_clients,
+        **ctx.fedavg_kwargs(),
         proximal_mu=params.mu,
     )

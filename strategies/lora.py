@@ -206,10 +206,7 @@ def lora_scale(ctx: StrategyContext, strategy: str) -> float:
 
 
 def _common(ctx: StrategyContext, strategy: str) -> dict:
-    s = ctx.cfg.strategy
-    return dict(lora_scale=lora_scale(ctx, strategy), root_seed=ctx.cfg.seed, fraction_train=s.fraction_train,
-                fraction_evaluate=s.fraction_evaluate, min_train_nodes=ctx.train_sample_size,
-                min_evaluate_nodes=ctx.evaluate_sample_size, min_available_nodes=ctx.num_clients)
+    return dict(lora_scale=lora_scale(ctx, strategy), root_seed=ctx.cfg.seed, **ctx.fedavg_kwargs())
 
 
 @STRATEGIES.register("fedavg_lora", summary="FedAvg on LoRA adapters: clients train A and B, both averaged")

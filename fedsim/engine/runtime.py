@@ -121,24 +121,22 @@ def build_client_app(spec: RunSpec) -> ClientApp:
         pid = int(context.node_config["partition-id"])
         return Message(RecordDict({"metrics": MetricRecord({PARTITION_ID: pid})}), reply_to=msg)
 
-    @app.train()
-    def train(msg: Message, context: Context) -> Message:
+    def serve(msg: Message, context: Context, method: str) -> Any:
         cfg = spec.cfg
         ctx = node_context(msg, context, cfg)
         _maybe_fail(cfg, ctx.partition_id, ctx.server_round)
         with torch_threads(cfg.engine.threads_per_client):
-            learner = get_learner(spec)
-            result = learner.train(msg.content["arrays"].to_torch_state_dict(), ctx)
+            return getattr(get_learner(spec), method)(msg.content["arrays"].to_torch_state_dict(), ctx)
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        result = serve(msg, context, "train")
         metrics = MetricRecord({**result.metrics, NUM_EXAMPLES: result.num_examples})
         return Message(RecordDict({"arrays": ArrayRecord(result.arrays), "metrics": metrics}), reply_to=msg)
 
     @app.evaluate()
     def evaluate(msg: Message, context: Context) -> Message:
-        cfg = spec.cfg
-        ctx = node_context(msg, context, cfg)
-        _maybe_fail(cfg, ctx.partition_id, ctx.server_round)
-        with torch_threads(cfg.engine.threads_per_client):
-            result = get_learner(spec).evaluate(msg.content["arrays"].to_torch_state_dict(), ctx)
+        result = serve(msg, context, "evaluate")
         metrics = MetricRecord({**result.metrics, NUM_EXAMPLES: result.num_examples})
         return Message(RecordDict({"metrics": metrics}), reply_to=msg)
 
