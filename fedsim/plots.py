@@ -46,6 +46,8 @@ def plot_claim(spec, results, out_dir: Path, title: str) -> list[Path]:
 
     import numpy as np
 
+    from fedsim.reproduce import label_of
+
     paths = []
     fig, ax = plt.subplots(figsize=(8, 5))
     for r in results:
@@ -64,7 +66,7 @@ def plot_claim(spec, results, out_dir: Path, title: str) -> list[Path]:
         others = [k for k in spec.grid if k != "eps"]
         groups: dict[str, list] = {}
         for r in results:
-            key = ", ".join(f"{k.split('.')[-1]}={r.setting[k]}" for k in others) or "all"
+            key = label_of({k: r.setting[k] for k in others}) or "all"
             groups.setdefault(key, []).append(r)
         fig, ax = plt.subplots(figsize=(7, 4.5))
         finite = [float(e) for e in spec.grid["eps"] if e is not None and not math.isinf(float(e))]

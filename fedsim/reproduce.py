@@ -95,7 +95,8 @@ def settings(spec: ClaimSpec) -> list[dict[str, Any]]:
 
 def label_of(setting: dict[str, Any]) -> str:
     def fmt(k: str, v: Any) -> str:
-        short = k.split(".")[-1] if k != EPS_KEY else "ε"
+        parts = k.split(".")
+        short = "ε" if k == EPS_KEY else (parts[-2] if parts[-1] == "name" and len(parts) > 1 else parts[-1])
         if k == EPS_KEY and (v is None or (isinstance(v, float) and math.isinf(v))):
             return "ε=∞"
         return f"{short}={v}"
