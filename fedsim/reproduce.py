@@ -8,6 +8,9 @@ A claim spec lives in ``experiments/reproduce/<name>.yaml``::
     grid:                                   # every combination is one configuration
       strategy.name: [fedsvd, ffa_lora]
       eps: [1, 3, .inf]                     # special key: privacy target; .inf = no DP
+      data.partition:                       # a mapping value sets several keys under its key
+        - {name: dirichlet, alpha: 0.3}
+        - {name: iid}
     seeds: [0, 1, 2]
     metric: eval/accuracy
     moving_average: 10                      # also report the best k-round moving average
@@ -97,6 +100,9 @@ def label_of(setting: dict[str, Any]) -> str:
     def fmt(k: str, v: Any) -> str:
         parts = k.split(".")
         short = "ε" if k == EPS_KEY else (parts[-2] if parts[-1] == "name" and len(parts) > 1 else parts[-1])
+        if isinstance(v, dict):
+            rest = ",".join(f"{a}={b}" for a, b in C.flatten(v).items() if a != "name")
+            return f"{short}={v.get('name', '')}" + (f"({rest})" if rest else "")
         if k == EPS_KEY and (v is None or (isinstance(v, float) and math.isinf(v))):
             return "ε=∞"
         return f"{short}={v}"
@@ -108,7 +114,9 @@ def build_config(spec: ClaimSpec, setting: dict[str, Any], seed: int) -> C.Exper
     overrides = list(spec.overrides)
     eps = setting.get(EPS_KEY, "absent")
     for key, value in setting.items():
-        if key != EPS_KEY:
+        if isinstance(value, dict):
+            overrides += [f"{key}.{k}={v}" for k, v in C.flatten(value).items()]
+        elif key != EPS_KEY:
             overrides.append(f"{key}={value}")
     cfg = C.load_config(spec.experiment, overrides, {"seed": seed})
     if eps != "absent":

@@ -9,7 +9,7 @@ from mlflow import MlflowClient
 
 from fedsim.cli import main
 from fedsim.errors import ConfigError
-from fedsim.reproduce import best_moving_average, build_config, load_claim, settings
+from fedsim.reproduce import best_moving_average, build_config, label_of, load_claim, settings
 
 
 def test_spec_grid_and_eps_mapping(tmp_path) -> None:
@@ -24,6 +24,17 @@ def test_spec_grid_and_eps_mapping(tmp_path) -> None:
     assert cfg_3.privacy.enabled and cfg_3.privacy.epsilon == 3.0
     with pytest.raises(ConfigError, match="no claim check named"):
         load_claim("nope")
+
+
+def test_mapping_values_set_several_keys() -> None:
+    spec = load_claim("fedphoenix")
+    setting = {"strategy": {"name": "fedmut", "params": {"alpha": 2.0}},
+               "data.partition": {"name": "dirichlet", "alpha": 0.6}, "eps": math.inf}
+    cfg = build_config(spec, setting, seed=1)
+    assert cfg.strategy.name == "fedmut" and cfg.strategy.params == {"alpha": 2.0}
+    assert cfg.data.partition.name == "dirichlet" and cfg.data.partition.alpha == 0.6
+    assert not cfg.privacy.enabled
+    assert label_of(setting) == "strategy=fedmut(params.alpha=2.0), partition=dirichlet(alpha=0.6), ε=∞"
 
 
 def test_best_moving_average() -> None:
