@@ -28,6 +28,7 @@ Two hooks let server-side algorithms shape local training through the round conf
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -48,6 +49,8 @@ from privacy.accounting import epsilon_for
 from privacy.dp_sgd import private_local_training
 from privacy.ledger import CLIENT_EPSILON, NOISE, SAMPLE_RATE, STEPS
 from privacy.plan import ClientPrivacyPlan, plan_client
+
+log = logging.getLogger("fedsim")
 
 #: Round-config key of FedProx's proximal coefficient (the key Flower's ``FedProx`` strategy sends).
 PROXIMAL_MU = "proximal-mu"
@@ -72,6 +75,24 @@ def make_optimizer(model: nn.Module, cfg: ExperimentConfig) -> torch.optim.Optim
     if c.optimizer == "adam":
         return torch.optim.Adam(params, lr=c.lr, weight_decay=c.weight_decay)
     return torch.optim.SGD(params, lr=c.lr, momentum=c.momentum, weight_decay=c.weight_decay)
+
+
+def make_dp_compatible(model: nn.Module) -> nn.Module:
+    """Opacus' ``ModuleValidator.fix``: e.g. BatchNorm (which mixes examples) becomes GroupNorm.
+
+    Every replacement is logged, since it changes the model the user asked for.
+    """
+    from opacus.validators import ModuleValidator
+
+    before = {name: type(m).__name__ for name, m in model.named_modules()}
+    if not ModuleValidator.validate(model, strict=False):
+        return model
+    fixed = ModuleValidator.fix(model)
+    after = {name: type(m).__name__ for name, m in fixed.named_modules()}
+    for name, kind in after.items():
+        if name in before and before[name] != kind:
+            log.warning("DP-SGD: replaced %s (%s) by %s to make the model Opacus-compatible", name, before[name], kind)
+    return fixed
 
 
 def proximal_term(model: nn.Module, anchor: list[torch.Tensor], mu: float) -> torch.Tensor:
@@ -136,7 +157,10 @@ class SupervisedLearner(Learner):
         return self._model
 
     def _build_model(self) -> nn.Module:
-        return build_model(self.cfg.model.name, self.cfg.model.params, self.data.input_shape, self.data.num_classes)
+        model = build_model(self.cfg.model.name, self.cfg.model.params, self.data.input_shape, self.data.num_classes)
+        if self.cfg.privacy.enabled:
+            model = make_dp_compatible(model)
+        return model
 
     def _load(self, arrays: StateDict) -> nn.Module:
         model = self.model

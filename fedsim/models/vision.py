@@ -23,6 +23,7 @@ class CNNParams:
     channels: list[int] = field(default_factory=lambda: [16, 32])
     hidden: int = 64
     dropout: float = 0.0
+    batch_norm: bool = False  # BatchNorm after each conv (made GroupNorm under DP-SGD)
 
 
 @MODELS.register("mlp", params=MLPParams, summary="multi-layer perceptron on flattened inputs")
@@ -50,7 +51,10 @@ class SmallCNN(nn.Module):
         c, h, w = input_shape
         blocks: list[nn.Module] = []
         for out in params.channels:
-            blocks += [nn.Conv2d(c, out, 3, padding=1), nn.ReLU()]
+            blocks.append(nn.Conv2d(c, out, 3, padding=1))
+            if params.batch_norm:
+                blocks.append(nn.BatchNorm2d(out))
+            blocks.append(nn.ReLU())
             if min(h, w) >= 2:
                 blocks.append(nn.MaxPool2d(2))
                 h, w = h // 2, w // 2
