@@ -158,7 +158,7 @@ class SupervisedLearner(Learner):
 
     def _build_model(self) -> nn.Module:
         model = build_model(self.cfg.model.name, self.cfg.model.params, self.data.input_shape, self.data.num_classes)
-        if self.cfg.privacy.enabled:
+        if self.sample_level_dp:
             model = make_dp_compatible(model)
         return model
 
@@ -193,8 +193,12 @@ class SupervisedLearner(Learner):
             self._plans[partition_id] = plan_client(partition_id, n, self.cfg)
         return self._plans[partition_id]
 
+    @property
+    def sample_level_dp(self) -> bool:
+        return self.cfg.privacy.enabled and self.cfg.privacy.level == "sample"
+
     def preflight(self) -> None:
-        if not self.cfg.privacy.enabled:
+        if not self.sample_level_dp:
             return
         if self.cfg.strategy.name == "fedprox":
             raise ConfigError("fedprox's proximal term is not a per-sample loss, so DP-SGD cannot clip it; "
@@ -242,7 +246,7 @@ class SupervisedLearner(Learner):
         model.train()
         torch.manual_seed(ctx.seed("torch"))  # dropout and any other global-RNG use
         optimizer = make_optimizer(model, self.cfg)
-        if self.cfg.privacy.enabled:
+        if self.sample_level_dp:
             mean_loss, steps, extra = self._train_private(model, x, y, ctx, optimizer)
         else:
             mean_loss, steps, extra = self._train_plain(model, x, y, ctx, optimizer), num_local_steps(len(y), self.cfg), {}

@@ -123,7 +123,7 @@ class PrivacyConfig:
     """Differential privacy of the client learners (see privacy/)."""
 
     enabled: bool = False
-    level: str = "sample"  # sample: DP-SGD inside each client (Opacus)
+    level: str = "sample"  # sample: DP-SGD inside each client (Opacus) | client: Flower's server-side DP wrapper
     epsilon: Optional[float] = None  # target ε per client for the whole run (--eps)
     delta: float = 1e-5
     noise_multiplier: Optional[float] = None  # set σ directly instead of calibrating it from epsilon
@@ -135,6 +135,7 @@ class PrivacyConfig:
     amplify_client_sampling: bool = False
     grad_sample_mode: str = "hooks"  # Opacus per-sample-gradient mode: hooks | ew | functorch | ghost
     max_physical_batch_size: int = 64  # logical batches are split to this size (memory)
+    update_clipping_norm: float = 1.0  # client level: each client's model update is clipped to this L2 norm
 
 
 @dataclass
@@ -280,7 +281,9 @@ def validate_privacy(p: PrivacyConfig) -> None:
 
     if not p.enabled:
         return
-    _check(p.level == "sample", f"privacy.level must be 'sample', got {p.level!r}")
+    _check(p.level in ("sample", "client"), f"privacy.level must be 'sample' or 'client', got {p.level!r}")
+    _check(math.isfinite(p.update_clipping_norm) and p.update_clipping_norm > 0,
+           f"privacy.update_clipping_norm must be > 0, got {p.update_clipping_norm}")
     _check(p.accountant in ("prv", "rdp"), f"privacy.accountant must be 'prv' or 'rdp', got {p.accountant!r}")
     _check(p.grad_sample_mode in ("hooks", "ew", "functorch", "ghost"),
            f"privacy.grad_sample_mode must be hooks, ew, functorch or ghost, got {p.grad_sample_mode!r}")

@@ -144,6 +144,16 @@ def _privacy_ledger(cfg: C.ExperimentConfig, learner: Any, setup: dict[str, Any]
         return None
     from privacy.ledger import PrivacyLedger
 
+    if cfg.privacy.level == "client":
+        from privacy.client_level import plan_client_level
+        from strategies.base import StrategyContext
+
+        plan = plan_client_level(cfg, StrategyContext(cfg, cfg.num_clients).train_sample_size)
+        setup.update({"privacy.noise_multiplier": plan.noise_multiplier, "privacy.target_epsilon": cfg.privacy.epsilon,
+                      "privacy.delta": cfg.privacy.delta})
+        charge = {pid: (1, plan.sample_rate, plan.noise_multiplier) for pid in range(cfg.num_clients)}
+        return PrivacyLedger(cfg.num_clients, cfg.privacy.delta, cfg.privacy.accountant, charge)
+
     plans = {pid: learner.privacy_plan(pid) for pid in range(cfg.num_clients)}
     sigmas = [p.noise_multiplier for p in plans.values()]
     setup.update({"privacy.noise_multiplier": max(sigmas), "privacy.noise_multiplier_min": min(sigmas),

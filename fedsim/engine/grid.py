@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from flwr.app import Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
-from fedsim.engine.runtime import NUM_EXAMPLES, PARTITION_ID
+from fedsim.engine.runtime import NUM_EXAMPLES, PARTITION_ID, UNIT_WEIGHT
 from fedsim.errors import RunFailedError
 
 
@@ -48,7 +48,7 @@ def weighted_means(replies: list[Message]) -> dict[str, float]:
         for record in msg.content.metric_records.values():
             w = float(record.get(NUM_EXAMPLES, 1))
             for k, v in record.items():
-                if k == NUM_EXAMPLES or not isinstance(v, (int, float)):
+                if k in (NUM_EXAMPLES, UNIT_WEIGHT) or not isinstance(v, (int, float)):
                     continue
                 sums[k] = sums.get(k, 0.0) + w * float(v)
                 weights[k] = weights.get(k, 0.0) + w

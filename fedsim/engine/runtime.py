@@ -21,6 +21,8 @@ from fedsim.registry import LEARNERS
 
 #: Key in train/evaluate replies that FedAvg-style strategies weight by.
 NUM_EXAMPLES = "num-examples"
+#: Key every train reply carries with value 1, for strategies that must average uniformly.
+UNIT_WEIGHT = "unit-weight"
 #: Key a node answers the engine's query with (used to order nodes canonically).
 PARTITION_ID = "partition-id"
 
@@ -131,7 +133,7 @@ def build_client_app(spec: RunSpec) -> ClientApp:
     @app.train()
     def train(msg: Message, context: Context) -> Message:
         result = serve(msg, context, "train")
-        metrics = MetricRecord({**result.metrics, NUM_EXAMPLES: result.num_examples})
+        metrics = MetricRecord({**result.metrics, NUM_EXAMPLES: result.num_examples, UNIT_WEIGHT: 1})
         return Message(RecordDict({"arrays": ArrayRecord(result.arrays), "metrics": metrics}), reply_to=msg)
 
     @app.evaluate()

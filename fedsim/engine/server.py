@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
 
@@ -38,8 +40,14 @@ def build_strategy(spec: RunSpec) -> Any:
     from strategies.base import StrategyContext  # contract type, not a concrete strategy
 
     cfg = spec.cfg
+    ctx = StrategyContext(cfg, cfg.num_clients)
     params = STRATEGIES.params(cfg.strategy.name, cfg.strategy.params, "strategy.params")
-    return STRATEGIES.get(cfg.strategy.name)(StrategyContext(cfg, cfg.num_clients), params)
+    strategy = STRATEGIES.get(cfg.strategy.name)(ctx, params)
+    if cfg.privacy.enabled and cfg.privacy.level == "client":
+        from privacy.client_level import wrap_client_level
+
+        strategy = wrap_client_level(strategy, cfg, ctx.train_sample_size)
+    return strategy
 
 
 def required_results(spec: RunSpec) -> int:
@@ -91,6 +99,7 @@ def run_server(grid: Grid, spec: RunSpec, observers: list[RoundObserver]) -> Ser
         for obs in observers:
             obs.on_round(record)
         random.seed(derive_seed(cfg.seed, "client-sampling", server_round + 1))
+        np.random.seed(derive_seed(cfg.seed, "server-noise", server_round + 1) % 2**32)  # Flower's DP wrappers
         monitored.begin_round()
         return MetricRecord(server_metrics) if server_metrics else None
 
