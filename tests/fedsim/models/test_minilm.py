@@ -232,3 +232,17 @@ def test_opacus_dp_step_touches_only_trainable_params(mode: str, ids, labels) ->
             assert torch.count_nonzero(p) > 0  # B moved away from its zero init
         else:
             assert p.grad is None and getattr(p, "grad_sample", None) is None
+
+
+def test_loading_the_encoder_does_not_touch_the_global_rng() -> None:
+    """Otherwise the seeded LoRA/head init would depend on whether the encoder was cached."""
+    from fedsim.models import minilm
+
+    minilm.pretrained_encoder.cache_clear()
+    torch.manual_seed(0)
+    minilm.pretrained_encoder()
+    after_cold = torch.rand(3)
+    torch.manual_seed(0)
+    minilm.pretrained_encoder()
+    after_warm = torch.rand(3)
+    assert torch.equal(after_cold, after_warm)
