@@ -34,14 +34,15 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+from flwr.app import MetricRecord
 from torch import nn
 
 from clients.base import EvalResult, Learner, NodeContext, StateDict, TrainResult
 from clients.transforms import apply_transforms
-from fedsim.errors import ConfigError
 from envs.federated import FederatedData, load_federated_data_cached
 from envs.plots import plot_label_histogram
 from fedsim.config import ExperimentConfig
+from fedsim.errors import ConfigError
 from fedsim.models import build_model
 from fedsim.registry import LEARNERS
 from fedsim.seeding import derive_seed
@@ -219,8 +220,6 @@ class SupervisedLearner(Learner):
         result = private_local_training(model, optimizer, x, y, privacy=p, batch_size=self.cfg.client.batch_size,
                                         steps=plan.steps_per_round, noise_multiplier=plan.noise_multiplier,
                                         batch_seed=ctx.seed("dp-batches"), noise_seed=ctx.seed("dp-noise"))
-        from flwr.app import MetricRecord
-
         ctx.state[DP_STATE] = MetricRecord({"steps": spent + result.steps})
         eps = epsilon_for(plan.noise_multiplier, plan.accounting_rate, spent + result.steps, p.delta, p.accountant)
         metrics = {STEPS: float(result.steps), SAMPLE_RATE: plan.accounting_rate, NOISE: plan.noise_multiplier,

@@ -10,7 +10,6 @@ import os
 import shutil
 import subprocess
 import sys
-import warnings
 from typing import Any, NoReturn, Sequence
 
 EXIT_USAGE = 2

@@ -34,21 +34,22 @@ class RunSummary:
     tracking_uri: str | None
 
 
-def preflight(cfg: C.ExperimentConfig) -> None:
+def preflight(spec: RunSpec) -> None:
     """Resolve every named component and validate its params before anything starts."""
+    cfg = spec.cfg
     DATASETS.params(cfg.data.name, cfg.data.params, "data.params")
     PARTITIONERS.entry(cfg.data.partition.name)
     MODELS.params(cfg.model.name, cfg.model.params, "model.params")
     check_learner(cfg)
-    build_strategy(RunSpec.from_config(cfg))
-    required_results(RunSpec.from_config(cfg))
+    build_strategy(spec)
+    required_results(spec)
     bad = [p for p in cfg.engine.faults.fail_partitions if not 0 <= p < cfg.num_clients]
     if bad:
         raise C.ConfigError(f"engine.faults.fail_partitions: {bad} outside 0..{cfg.num_clients - 1}")
     if cfg.engine.name == "flower":
         from fedsim.engine.flower import backend_config
 
-        backend_config(RunSpec.from_config(cfg))
+        backend_config(spec)
 
 
 def _engine(name: str) -> Callable[[RunSpec, list[RoundObserver]], ServerResult]:
@@ -78,8 +79,8 @@ def run_experiment(
     ``parent_run_id`` nests the MLflow run under a parent (sweeps and claim checks).
     """
     quiet_third_party(cfg.engine.verbose)
-    preflight(cfg)
     spec = RunSpec.from_config(cfg)
+    preflight(spec)
     learner = get_learner(spec)
     # Build data now, so data errors surface before an MLflow run exists.
     learner.preflight()

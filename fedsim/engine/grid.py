@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from flwr.app import Message, MessageType, MetricRecord, RecordDict
+from flwr.app import Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
 from fedsim.engine.runtime import NUM_EXAMPLES, PARTITION_ID, UNIT_WEIGHT

@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
 
 from fedsim.engine.grid import MonitoredGrid
 from fedsim.engine.history import RoundObserver, RoundRecord
 from fedsim.engine.runtime import RunSpec, get_learner, torch_threads
+from fedsim.errors import ConfigError
 from fedsim.registry import STRATEGIES
 from fedsim.seeding import derive_seed
 
@@ -37,7 +37,9 @@ class ServerResult:
 
 def build_strategy(spec: RunSpec) -> Any:
     """The registered strategy of this run (a Flower ``Strategy``)."""
-    from strategies.base import StrategyContext  # contract type, not a concrete strategy
+    from strategies.base import (
+        StrategyContext,  # contract type, not a concrete strategy
+    )
 
     cfg = spec.cfg
     ctx = StrategyContext(cfg, cfg.num_clients)
@@ -57,8 +59,6 @@ def required_results(spec: RunSpec) -> int:
     cfg = spec.cfg
     sample = StrategyContext(cfg, cfg.num_clients).train_sample_size
     if cfg.strategy.min_train_results > sample:
-        from fedsim.errors import ConfigError
-
         raise ConfigError(f"strategy.min_train_results={cfg.strategy.min_train_results} exceeds the "
                           f"{sample} clients sampled per round; lower it or raise strategy.fraction_train")
     return cfg.strategy.min_train_results

@@ -21,7 +21,7 @@ from fedsim.runner import run_experiment
 from fedsim.seeding import derive_seed
 from flwr.serverapp.strategy import FedAvg
 from strategies.fedphoenix import FedPhoenix
-from tests.strategies.util import StubGrid, one_round, rows_without, tiny_cfg
+from tests.strategies.util import StubGrid, one_round, tiny_cfg
 
 PHOENIX_OVERRIDES = ("strategy.params.theta=0.25", "strategy.params.reset_rounds=2")
 
