@@ -83,6 +83,11 @@ class Learner(ABC):
     def evaluate(self, arrays: StateDict, ctx: NodeContext) -> EvalResult:
         """Client-side evaluation of ``arrays`` on the node's own test data."""
 
+    def local_work(self, partition_id: int) -> float:
+        """Units of local work (e.g. optimiser steps) a training round costs this node; the simulated
+        system model (``engine.system``) turns it into simulated seconds."""
+        return 1.0
+
     def preflight(self) -> None:
         """Checks that need the learner's data (e.g. privacy calibration); raise ConfigError."""
 

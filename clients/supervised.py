@@ -198,6 +198,11 @@ class SupervisedLearner(Learner):
     def sample_level_dp(self) -> bool:
         return self.cfg.privacy.enabled and self.cfg.privacy.level == "sample"
 
+    def local_work(self, partition_id: int) -> float:
+        if self.sample_level_dp:
+            return float(self.privacy_plan(partition_id).steps_per_round)
+        return float(num_local_steps(len(self.data.client_train(partition_id).y), self.cfg))
+
     def preflight(self) -> None:
         if not self.sample_level_dp:
             return

@@ -87,20 +87,80 @@ class FlowerEngineConfig:
 
 
 @dataclass
+class ResourceHint:
+    """Ray resources of the actor that serves a particular client (``engine.ray.client_resources``)."""
+
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+
+
+@dataclass
+class RayEngineConfig:
+    """fedsim's own pool of long-lived Ray actors (``engine.name=ray``)."""
+
+    num_actors: Optional[int] = None  # None: as many as fit (Ray's CPUs / actor_num_cpus)
+    actor_num_cpus: float = 1.0
+    actor_num_gpus: float = 0.0  # a GPU fraction per actor, e.g. 0.25 packs four actors on one GPU
+    address: Optional[str] = None  # "auto" / "ray://host:port" joins a cluster; None: $RAY_ADDRESS, else a local Ray
+    ray_num_cpus: Optional[int] = None  # a local Ray only: CPUs it may use (None = all of this machine's)
+    # Per-client resource hints, by partition id ("3": {num_cpus: 2, num_gpus: 0.5}); such clients are
+    # served by dedicated long-lived actors of that size, every other client by the shared pool.
+    client_resources: dict[str, ResourceHint] = field(default_factory=dict)
+
+
+@dataclass
+class SystemConfig:
+    """Simulated system heterogeneity, in simulated (not slept) time.
+
+    Each client has a fixed seeded speed factor s_k ~ LogNormal(0, speed_sigma); a round of local work
+    takes ``work_k * seconds_per_step / s_k + latency_s`` simulated seconds (work_k = its local steps).
+    Each sampled client is unavailable in a round with probability ``dropout``.  With a ``deadline_s``
+    the replies that would arrive later are dropped (stragglers) and never computed.
+    """
+
+    enabled: bool = False
+    seconds_per_step: float = 0.05
+    speed_sigma: float = 0.5
+    latency_s: float = 0.0
+    dropout: float = 0.0
+    deadline_s: Optional[float] = None
+
+
+@dataclass
 class FaultConfig:
-    """Fault injection: listed partitions raise inside their ClientApp (to test resilience)."""
+    """Fault injection (to test resilience).
+
+    Listed partitions raise inside their ClientApp; besides, a seeded share of the training calls
+    raises (``raise_fraction``) or hangs for ``hang_s`` (``hang_fraction``, caught by the client
+    timeout).  ``transient`` faults strike the first attempt only, so retries recover them.
+    """
 
     fail_partitions: list[int] = field(default_factory=list)
     fail_rounds: list[int] = field(default_factory=list)  # empty = every round
+    raise_fraction: float = 0.0
+    hang_fraction: float = 0.0
+    hang_s: float = 3600.0
+    transient: bool = False
 
 
 @dataclass
 class EngineConfig:
-    name: str = "local"  # local | flower
-    threads_per_client: int = 1  # torch threads inside a client call (same in both engines)
+    name: str = "local"  # local | ray | flower
+    threads_per_client: int = 1  # torch threads inside a client call (same in every engine)
     round_timeout_s: float = 600.0  # how long the server waits for the replies of one round
+    # A client call that runs longer counts as failed (timeout); None = round_timeout_s.
+    client_timeout_s: Optional[float] = None
+    retries: int = 0  # resend a failed client's message (exception or timeout) up to this many times
+    # Train a round's cohort together with torch.func (local engine; exact same result as sequential).
+    vectorise: bool = False
+    vectorise_chunk: int = 256  # clients per vmap call (bounds memory)
+    checkpoint: bool = True  # save the server state every round, so `fedsim run ... --resume RUN_ID` works
+    checkpoint_dir: str = "fedsim-checkpoints"  # relative paths are under the working directory
+    keep_checkpoint: bool = False  # keep it after a run finishes (e.g. to extend the run later)
     verbose: bool = False  # show Flower's and Ray's own logs
     flower: FlowerEngineConfig = field(default_factory=FlowerEngineConfig)
+    ray: RayEngineConfig = field(default_factory=RayEngineConfig)
+    system: SystemConfig = field(default_factory=SystemConfig)
     faults: FaultConfig = field(default_factory=FaultConfig)
 
 
@@ -239,9 +299,13 @@ def load_config(
     return typed
 
 
+#: Mappings whose keys the user chooses (their values are still typed or validated later).
+OPEN_MAPPINGS = (".params.", ".engine.ray.client_resources.")
+
+
 def _inside_params(key: str) -> bool:
     """Keys under a ``params`` mapping are validated later, by the component that owns them."""
-    return ".params." in f".{key}"
+    return any(m in f".{key}" for m in OPEN_MAPPINGS)
 
 
 def _check(ok: bool, message: str) -> None:
@@ -254,7 +318,7 @@ def validate(cfg: ExperimentConfig) -> None:
     _check(cfg.rounds >= 1, f"rounds must be >= 1, got {cfg.rounds}")
     _check(cfg.num_clients >= 1, f"num_clients must be >= 1, got {cfg.num_clients}")
     _check(cfg.seed >= 0, f"seed must be >= 0, got {cfg.seed}")
-    _check(cfg.engine.name in ("local", "flower"), f"engine must be 'local' or 'flower', got {cfg.engine.name!r}")
+    _check(cfg.engine.name in ENGINES, f"engine must be one of {', '.join(ENGINES)}, got {cfg.engine.name!r}")
     _check(cfg.engine.threads_per_client >= 1, "engine.threads_per_client must be >= 1")
     _check(0.0 < cfg.strategy.fraction_train <= 1.0,
            f"strategy.fraction_train must be in (0, 1], got {cfg.strategy.fraction_train}")
@@ -273,7 +337,37 @@ def validate(cfg: ExperimentConfig) -> None:
            f"client.local_steps must be >= 1 when set, got {cfg.client.local_steps}")
     _check(cfg.client.optimizer in ("sgd", "adam"), f"client.optimizer must be 'sgd' or 'adam', got {cfg.client.optimizer!r}")
     _check(cfg.engine.flower.client_num_cpus > 0, "engine.flower.client_num_cpus must be > 0")
+    validate_engine(cfg.engine)
     validate_privacy(cfg.privacy)
+
+
+ENGINES = ("local", "ray", "flower")
+
+
+def validate_engine(e: EngineConfig) -> None:
+    _check(e.round_timeout_s > 0, f"engine.round_timeout_s must be > 0, got {e.round_timeout_s}")
+    _check(e.client_timeout_s is None or e.client_timeout_s > 0,
+           f"engine.client_timeout_s must be > 0 when set, got {e.client_timeout_s}")
+    _check(e.retries >= 0, f"engine.retries must be >= 0, got {e.retries}")
+    _check(e.vectorise_chunk >= 1, f"engine.vectorise_chunk must be >= 1, got {e.vectorise_chunk}")
+    _check(e.ray.actor_num_cpus > 0, f"engine.ray.actor_num_cpus must be > 0, got {e.ray.actor_num_cpus}")
+    _check(e.ray.actor_num_gpus >= 0, f"engine.ray.actor_num_gpus must be >= 0, got {e.ray.actor_num_gpus}")
+    _check(e.ray.num_actors is None or e.ray.num_actors >= 1,
+           f"engine.ray.num_actors must be >= 1 when set, got {e.ray.num_actors}")
+    for pid, hint in e.ray.client_resources.items():
+        _check(pid.isdigit(), f"engine.ray.client_resources: keys are partition ids, got {pid!r}")
+        _check(hint.num_cpus > 0 and hint.num_gpus >= 0,
+               f"engine.ray.client_resources.{pid}: num_cpus must be > 0 and num_gpus >= 0")
+    s = e.system
+    _check(s.seconds_per_step > 0, f"engine.system.seconds_per_step must be > 0, got {s.seconds_per_step}")
+    _check(s.speed_sigma >= 0, f"engine.system.speed_sigma must be >= 0, got {s.speed_sigma}")
+    _check(s.latency_s >= 0, f"engine.system.latency_s must be >= 0, got {s.latency_s}")
+    _check(0 <= s.dropout < 1, f"engine.system.dropout must be in [0, 1), got {s.dropout}")
+    _check(s.deadline_s is None or s.deadline_s > 0, f"engine.system.deadline_s must be > 0 when set, got {s.deadline_s}")
+    f = e.faults
+    _check(0 <= f.raise_fraction <= 1 and 0 <= f.hang_fraction <= 1 and f.raise_fraction + f.hang_fraction <= 1,
+           "engine.faults.raise_fraction and hang_fraction must be in [0, 1] and sum to at most 1")
+    _check(f.hang_s > 0, f"engine.faults.hang_s must be > 0, got {f.hang_s}")
 
 
 def validate_privacy(p: PrivacyConfig) -> None:

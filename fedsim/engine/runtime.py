@@ -18,6 +18,7 @@ from flwr.clientapp import ClientApp
 from fedsim import config as C
 from fedsim.errors import ConfigError
 from fedsim.registry import LEARNERS
+from fedsim.seeding import derive_seed
 
 #: Key in train/evaluate replies that FedAvg-style strategies weight by.
 NUM_EXAMPLES = "num-examples"
@@ -108,10 +109,53 @@ def node_context(msg: Message, context: Context, cfg: C.ExperimentConfig):  # ->
     )
 
 
-def _maybe_fail(cfg: C.ExperimentConfig, partition_id: int, server_round: int) -> None:
+#: Round-config key the engine sets when it resends a failed client's message (0 = first try).
+ATTEMPT = "fedsim-attempt"
+
+
+def injected_fault(cfg: C.ExperimentConfig, partition_id: int, server_round: int, attempt: int = 0) -> str | None:
+    """The fault ``engine.faults`` injects into this training call: ``"raise"``, ``"hang"`` or None.
+
+    Seeded by (root seed, round, partition[, attempt for transient faults]), so the expected fault
+    counts of a run can be computed by anyone (the tests do).
+    """
     f = cfg.engine.faults
     if partition_id in f.fail_partitions and (not f.fail_rounds or server_round in f.fail_rounds):
+        if not (f.transient and attempt > 0):
+            return "raise"
+    if f.raise_fraction <= 0 and f.hang_fraction <= 0:
+        return None
+    if f.transient and attempt > 0:
+        return None
+    import random
+
+    u = random.Random(derive_seed(cfg.seed, "fault", server_round, partition_id)).random()
+    if u < f.raise_fraction:
+        return "raise"
+    if u < f.raise_fraction + f.hang_fraction:
+        return "hang"
+    return None
+
+
+def _maybe_fail(cfg: C.ExperimentConfig, partition_id: int, server_round: int, attempt: int) -> None:
+    fault = injected_fault(cfg, partition_id, server_round, attempt)
+    if fault == "raise":
         raise SimulatedClientFailure(f"injected failure: partition {partition_id}, round {server_round}")
+    if fault == "hang":  # an interruptible sleep: a timed-out thread or actor is abandoned or killed
+        threading.Event().wait(cfg.engine.faults.hang_s)
+        raise SimulatedClientFailure(f"injected hang of {cfg.engine.faults.hang_s:.0f}s ended: partition "
+                                     f"{partition_id}, round {server_round}")
+
+
+def train_reply(msg: Message, result: Any) -> Message:
+    """The reply of a ``train`` message from a learner's :class:`~clients.base.TrainResult`."""
+    metrics = MetricRecord({**result.metrics, NUM_EXAMPLES: result.num_examples, UNIT_WEIGHT: 1})
+    return Message(RecordDict({"arrays": ArrayRecord(result.arrays), "metrics": metrics}), reply_to=msg)
+
+
+def evaluate_reply(msg: Message, result: Any) -> Message:
+    metrics = MetricRecord({**result.metrics, NUM_EXAMPLES: result.num_examples})
+    return Message(RecordDict({"metrics": metrics}), reply_to=msg)
 
 
 def build_client_app(spec: RunSpec) -> ClientApp:
@@ -126,20 +170,17 @@ def build_client_app(spec: RunSpec) -> ClientApp:
     def serve(msg: Message, context: Context, method: str) -> Any:
         cfg = spec.cfg
         ctx = node_context(msg, context, cfg)
-        _maybe_fail(cfg, ctx.partition_id, ctx.server_round)
+        if method == "train":
+            _maybe_fail(cfg, ctx.partition_id, ctx.server_round, int(ctx.config.get(ATTEMPT, 0)))
         with torch_threads(cfg.engine.threads_per_client):
             return getattr(get_learner(spec), method)(msg.content["arrays"].to_torch_state_dict(), ctx)
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
-        result = serve(msg, context, "train")
-        metrics = MetricRecord({**result.metrics, NUM_EXAMPLES: result.num_examples, UNIT_WEIGHT: 1})
-        return Message(RecordDict({"arrays": ArrayRecord(result.arrays), "metrics": metrics}), reply_to=msg)
+        return train_reply(msg, serve(msg, context, "train"))
 
     @app.evaluate()
     def evaluate(msg: Message, context: Context) -> Message:
-        result = serve(msg, context, "evaluate")
-        metrics = MetricRecord({**result.metrics, NUM_EXAMPLES: result.num_examples})
-        return Message(RecordDict({"metrics": metrics}), reply_to=msg)
+        return evaluate_reply(msg, serve(msg, context, "evaluate"))
 
     return app
