@@ -44,13 +44,16 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--rounds", type=_positive_int, help="number of federated rounds")
     run.add_argument("--clients", type=_positive_int, help="number of simulated clients")
     run.add_argument("--seed", type=_positive_int, help="root seed (all randomness derives from it)")
-    run.add_argument("--engine", choices=["local", "flower"], help="local (fast, in-process) or flower (Ray)")
+    run.add_argument("--engine", choices=["local", "ray", "flower"],
+                     help="local (in-process), ray (fedsim's long-lived Ray actors) or flower (Flower's simulation)")
     run.add_argument("--eps", type=float, help="target privacy budget ε (DP experiments only)")
     run.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db)")
     run.add_argument("--no-tracking", action="store_true", help="do not record to MLflow")
     run.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     run.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     run.add_argument("--verbose", action="store_true", help="show Flower/Ray logs")
+    run.add_argument("--resume", metavar="RUN_ID",
+                     help="continue an interrupted run from its last checkpoint, in the same MLflow run")
 
     rep = sub.add_parser("reproduce", help="run a claim check: a grid of configurations × seeds as one MLflow parent run")
     rep.add_argument("claim", help="claim name (experiments/reproduce/NAME.yaml) or a YAML path")
@@ -109,10 +112,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 0
     label = f"{cfg.name} · {cfg.strategy.name} · {cfg.engine.name}"
     if args.quiet:
-        summary = run_experiment(cfg, tracking_uri=args.tracking_uri)
+        summary = run_experiment(cfg, tracking_uri=args.tracking_uri, resume_run_id=args.resume)
     else:
         with RoundProgress(cfg.rounds, label, console) as progress:
-            summary = run_experiment(cfg, observers=[progress], tracking_uri=args.tracking_uri)
+            summary = run_experiment(cfg, observers=[progress], tracking_uri=args.tracking_uri,
+                                     resume_run_id=args.resume)
     extra = {"wall time": f"{summary.wall_seconds:.1f} s"}
     if summary.run_id:
         extra.update({"mlflow run": summary.run_id, "tracking uri": summary.tracking_uri or ""})

@@ -6,6 +6,7 @@ resources), so a bad input never leaves a half-written run behind.
 
 from __future__ import annotations
 
+import shutil
 import signal
 import tempfile
 import time
@@ -50,13 +51,25 @@ def preflight(spec: RunSpec) -> None:
         from fedsim.engine.flower import backend_config
 
         backend_config(spec)
+    if cfg.engine.name == "ray":
+        from fedsim.engine.ray_pool import check_ray_resources
+
+        check_ray_resources(spec)
 
 
-def _engine(name: str) -> Callable[[RunSpec, list[RoundObserver]], ServerResult]:
+#: Engines whose server keeps the node states, so runs on them checkpoint and resume.
+CHECKPOINTING_ENGINES = ("local", "ray")
+
+
+def _engine(name: str) -> Callable[..., ServerResult]:
     if name == "flower":
         from fedsim.engine.flower import run_flower
 
         return run_flower
+    if name == "ray":
+        from fedsim.engine.ray_pool import run_ray
+
+        return run_ray
     from fedsim.engine.local import run_local
 
     return run_local
@@ -73,14 +86,17 @@ def run_experiment(
     tracking_uri: str | None = None,
     parent_run_id: str | None = None,
     run_name: str | None = None,
+    resume_run_id: str | None = None,
 ) -> RunSummary:
     """Run ``cfg``; every round goes to ``observers`` and, unless disabled, to MLflow.
 
     ``parent_run_id`` nests the MLflow run under a parent (sweeps and claim checks).
+    ``resume_run_id`` continues that run from its last checkpoint, logging into the same MLflow run.
     """
     quiet_third_party(cfg.engine.verbose)
     spec = RunSpec.from_config(cfg)
     preflight(spec)
+    resume = _load_resume(cfg, resume_run_id) if resume_run_id else None
     learner = get_learner(spec)
     # Build data now, so data errors surface before an MLflow run exists.
     learner.preflight()
@@ -91,16 +107,19 @@ def run_experiment(
     if cfg.tracking.enabled:
         from fedsim.tracking import MlflowRecorder, git_commit
 
-        tags = {"experiment": cfg.name, "strategy": cfg.strategy.name, "engine": cfg.engine.name,
-                "seed": str(cfg.seed), "git_commit": git_commit(), "learner": cfg.client.learner,
-                "dataset": cfg.data.name}
-        if parent_run_id:
-            tags["mlflow.parentRunId"] = parent_run_id
-        recorder = MlflowRecorder(tracking_uri or cfg.tracking.uri, cfg.tracking.experiment,
-                                  run_name=run_name or f"{cfg.name}-seed{cfg.seed}", tags=tags)
-    all_observers: list[RoundObserver] = [*([ledger] if ledger else []), history, *(observers or [])]
-    if recorder is not None:
-        all_observers.append(recorder)
+        if resume_run_id:
+            recorder = MlflowRecorder.reopen(tracking_uri or cfg.tracking.uri, resume_run_id)
+        else:
+            tags = {"experiment": cfg.name, "strategy": cfg.strategy.name, "engine": cfg.engine.name,
+                    "seed": str(cfg.seed), "git_commit": git_commit(), "learner": cfg.client.learner,
+                    "dataset": cfg.data.name}
+            if parent_run_id:
+                tags["mlflow.parentRunId"] = parent_run_id
+            recorder = MlflowRecorder(tracking_uri or cfg.tracking.uri, cfg.tracking.experiment,
+                                      run_name=run_name or f"{cfg.name}-seed{cfg.seed}", tags=tags)
+    checkpoint_dir = _checkpoint_dir(cfg, recorder.run_id if recorder else None)
+    replayed: list[RoundObserver] = [*([ledger] if ledger else []), history, *(observers or [])]
+    all_observers = [*replayed, *([recorder] if recorder is not None else [])]
     previous_term = signal.getsignal(signal.SIGTERM)
 
     def on_term(signum: int, frame: Any) -> None:
@@ -113,12 +132,21 @@ def run_experiment(
             signal.signal(signal.SIGTERM, on_term)
         except ValueError:  # not the main thread (e.g. inside a Ray Tune trial)
             pass
-        if recorder is not None:
+        if recorder is not None and resume is None:
             recorder.log_params({**C.flatten(C.to_container(cfg)), **setup})
             recorder.log_text(C.to_yaml(cfg), "config.yaml")
             for path in learner.setup_artifacts(recorder.artifact_dir):
                 recorder.log_artifact(path, "plots")
-        result = _engine(cfg.engine.name)(spec, all_observers)
+        if recorder is not None and checkpoint_dir is not None:
+            recorder.set_tag("fedsim.checkpoint", str(checkpoint_dir))
+        if resume is not None:
+            for record in resume.records:  # the rounds before the checkpoint, for the ledger and the history
+                for obs in replayed:
+                    obs.on_round(record)
+            if recorder is not None:
+                recorder.set_tag("fedsim.resumed_from_round", str(resume.round))
+        server_kwargs = {"checkpoint_dir": checkpoint_dir, "resume": resume} if checkpoint_dir or resume else {}
+        result = _engine(cfg.engine.name)(spec, all_observers, **server_kwargs)
         wall = time.perf_counter() - start
         if recorder is not None:
             _log_outputs(recorder, cfg, history, result, wall)
@@ -131,12 +159,64 @@ def run_experiment(
     finally:
         if recorder is not None:
             recorder.finish(status)
+        _settle_checkpoint(cfg, checkpoint_dir, status, recorder.run_id if recorder else None)
         try:
             signal.signal(signal.SIGTERM, previous_term)
         except ValueError:
             pass
     return RunSummary(history, result.arrays, wall, recorder.run_id if recorder else None,
                       recorder.uri if recorder else None)
+
+
+def _checkpoint_dir(cfg: C.ExperimentConfig, run_id: str | None) -> Path | None:
+    """Where this run checkpoints (None: checkpoints off, untracked, or an engine that cannot)."""
+    if not cfg.engine.checkpoint or run_id is None or cfg.engine.name not in CHECKPOINTING_ENGINES:
+        return None
+    return Path(cfg.engine.checkpoint_dir).expanduser().resolve() / run_id
+
+
+def _settle_checkpoint(cfg: C.ExperimentConfig, directory: Path | None, status: str, run_id: str | None) -> None:
+    """Remove a finished run's checkpoint (unless kept); tell how to resume an unfinished one."""
+    if directory is None or not directory.exists():
+        return
+    if status == "FINISHED":
+        if not cfg.engine.keep_checkpoint:
+            shutil.rmtree(directory, ignore_errors=True)
+        return
+    import logging
+
+    from fedsim.engine import checkpoint as ckpt
+
+    if ckpt.exists(directory):
+        logging.getLogger("fedsim").warning("run %s stopped (%s); continue it with: fedsim run %s --resume %s",
+                                            run_id, status, cfg.name, run_id)
+
+
+def _load_resume(cfg: C.ExperimentConfig, run_id: str) -> Any:
+    """The checkpoint of ``run_id``, after checking it may continue under ``cfg``."""
+    from fedsim.engine import checkpoint as ckpt
+    from fedsim.engine.runtime import RunSpec as _Spec
+
+    if not cfg.tracking.enabled:
+        raise C.ConfigError("--resume continues an MLflow run, so it needs tracking; drop --no-tracking")
+    if cfg.engine.name not in CHECKPOINTING_ENGINES:
+        raise C.ConfigError(f"--resume works on the {' and '.join(CHECKPOINTING_ENGINES)} engines, not "
+                            f"{cfg.engine.name!r}; add --engine local")
+    directory = Path(cfg.engine.checkpoint_dir).expanduser().resolve() / run_id
+    checkpoint = ckpt.load(directory)
+    saved = _Spec(checkpoint.config_yaml).cfg
+    if checkpoint.round > cfg.rounds:
+        raise C.ConfigError(f"run {run_id} already completed round {checkpoint.round} but --rounds is {cfg.rounds}; "
+                            f"resume with --rounds >= {checkpoint.round}")
+    ignored = ("engine.", "tracking.", "rounds", "description")
+    a, b = C.flatten(C.to_container(saved)), C.flatten(C.to_container(cfg))
+    diff = sorted(k for k in set(a) | set(b) if not k.startswith(ignored) and a.get(k) != b.get(k))
+    if diff:
+        k = diff[0]
+        raise C.ConfigError(f"--resume {run_id}: this config differs from the checkpointed one at {k} "
+                            f"({b.get(k)!r} vs {a.get(k)!r}{f', and {len(diff) - 1} more' if len(diff) > 1 else ''}); "
+                            f"resume with the run's own experiment and overrides")
+    return checkpoint
 
 
 def _privacy_ledger(cfg: C.ExperimentConfig, learner: Any, setup: dict[str, Any]) -> Any:

@@ -68,6 +68,31 @@ class MlflowRecorder:
         self.experiment_id: str = exp_id
         self.artifact_dir = Path(tempfile.mkdtemp(prefix="fedsim-artifacts-"))
 
+    @classmethod
+    def reopen(cls, uri: str | None, run_id: str) -> "MlflowRecorder":
+        """Continue an existing run (``--resume``): it is marked RUNNING again."""
+        _quiet_mlflow()
+        from mlflow import MlflowClient
+        from mlflow.exceptions import MlflowException
+
+        from fedsim.errors import ConfigError
+
+        self = cls.__new__(cls)
+        self.uri = resolve_tracking_uri(uri)
+        self.client = MlflowClient(tracking_uri=self.uri)
+        try:
+            run = self.client.get_run(run_id)
+        except MlflowException:
+            raise ConfigError(f"no MLflow run {run_id!r} in {self.uri}; check the id with `fedsim ui` "
+                              f"or pass --tracking-uri") from None
+        self.run_id, self.experiment_id = run_id, run.info.experiment_id
+        self.artifact_dir = Path(tempfile.mkdtemp(prefix="fedsim-artifacts-"))
+        self.client.update_run(run_id, status="RUNNING")
+        return self
+
+    def set_tag(self, key: str, value: str) -> None:
+        self.client.set_tag(self.run_id, key, value)
+
     def log_params(self, params: dict[str, Any]) -> None:
         from mlflow.entities import Param
 

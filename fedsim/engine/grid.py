@@ -7,6 +7,10 @@ in-process one) and
   every engine (Flower's simulation assigns random node ids);
 * sorts replies by partition id before the strategy sees them, so aggregation sums in one
   canonical order (bit-identical results across engines);
+* applies the simulated system model (:mod:`fedsim.engine.system`): unavailable clients and
+  stragglers past the deadline are removed from a training round before anything is computed;
+* resends a failed client's message (an exception or a timeout) up to ``engine.retries`` times,
+  with the attempt number in the round config (``fedsim-attempt``);
 * counts successful and failed replies per round, keeps each failure's reason, computes
   sample-size-weighted means of the reply metrics, and raises :class:`RunFailedError` when fewer
   training results than the strategy's minimum come back.
@@ -18,10 +22,11 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from flwr.app import Message, MessageType, RecordDict
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
-from fedsim.engine.runtime import NUM_EXAMPLES, PARTITION_ID, UNIT_WEIGHT
+from fedsim.engine.runtime import ATTEMPT, NUM_EXAMPLES, PARTITION_ID, UNIT_WEIGHT
+from fedsim.engine.system import SystemModel
 from fedsim.errors import RunFailedError
 
 
@@ -38,6 +43,10 @@ class RoundTally:
     train_metrics: dict[str, float] = field(default_factory=dict)
     client_train_metrics: dict[int, dict[str, float]] = field(default_factory=dict)
     eval_metrics: dict[str, float] = field(default_factory=dict)
+    dropped: int = 0  # unavailable this round (system model)
+    stragglers: int = 0  # past the round deadline (system model)
+    retried: int = 0  # messages resent after a failure
+    sim_seconds: float | None = None  # simulated length of the round (None without a system model)
 
 
 def weighted_means(replies: list[Message]) -> dict[str, float]:
@@ -58,10 +67,13 @@ def weighted_means(replies: list[Message]) -> dict[str, float]:
 class MonitoredGrid(Grid):
     """Delegating Grid: canonical node/reply order, failure accounting, minimum-result check."""
 
-    def __init__(self, inner: Grid, min_train_results: int, query_timeout: float = 120.0) -> None:
+    def __init__(self, inner: Grid, min_train_results: int, query_timeout: float = 120.0,
+                 system: SystemModel | None = None, retries: int = 0) -> None:
         self.inner = inner
         self.min_train_results = min_train_results
         self.query_timeout = query_timeout
+        self.system = system
+        self.retries = retries
         self.partition_of: dict[int, int] = {}
         self.tally = RoundTally()
 
@@ -115,7 +127,10 @@ class MonitoredGrid(Grid):
         if self.tally.started is None:
             self.tally.started = time.perf_counter()
         kind = messages[0].metadata.message_type.split(".")[0]
-        replies = list(self.inner.send_and_receive(messages, timeout=timeout))
+        if kind == MessageType.TRAIN and self.system is not None:
+            messages = self._apply_system_model(messages)
+        deadline = time.monotonic() + timeout if timeout is not None else None
+        replies = self._send_with_retries(messages, deadline)
         replies.sort(key=lambda m: self.partition_of.get(m.metadata.src_node_id, 1 << 62))
         ok = [m for m in replies if not m.has_error()]
         missing = len(messages) - len(replies)
@@ -133,17 +148,63 @@ class MonitoredGrid(Grid):
                 for m in ok if "metrics" in m.content}
             if len(ok) < self.min_train_results:
                 detail = failures[0] if failures else "no replies"
+                lost = (f"; {self.tally.dropped} unavailable, {self.tally.stragglers} past the deadline"
+                        if self.system is not None else "")
                 raise RunFailedError(
                     f"round failed: {len(ok)} training results, the strategy needs at least "
-                    f"{self.min_train_results} ({len(failures)} client failures; first: {detail})")
+                    f"{self.min_train_results} ({len(failures)} client failures; first: {detail}{lost})")
         elif kind == MessageType.EVALUATE:
             self.tally.eval_ok += len(ok)
             self.tally.eval_failed += len(failures)
             self.tally.eval_metrics = weighted_means(ok)
         return replies
 
+    # -- system model and retries --------------------------------------------------------------
+    def _apply_system_model(self, messages: list[Message]) -> list[Message]:
+        """Keep the messages whose clients are available and make the deadline (this round)."""
+        assert self.system is not None
+        server_round = _round_of(messages[0])
+        by_pid = {self.partition_of.get(m.metadata.dst_node_id, -1): m for m in messages}
+        plan = self.system.plan(sorted(by_pid), server_round)
+        self.tally.dropped += len(plan.dropped)
+        self.tally.stragglers += len(plan.stragglers)
+        self.tally.sim_seconds = max(self.tally.sim_seconds or 0.0, plan.sim_seconds)
+        return [by_pid[p] for p in plan.in_time]
+
+    def _send_with_retries(self, messages: list[Message], deadline: float | None) -> list[Message]:
+        """Send, then resend the failed ones (errors or missing replies) while retries and time remain."""
+        pending = {m.metadata.dst_node_id: m for m in messages}
+        final: dict[int, Message] = {}
+        for attempt in range(self.retries + 1):
+            if not pending:
+                break
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            if attempt > 0:
+                if left is not None and left <= 0:
+                    break
+                self.tally.retried += len(pending)
+                pending = {node: _with_attempt(m, attempt) for node, m in pending.items()}
+            replies = list(self.inner.send_and_receive(list(pending.values()), timeout=left))
+            for reply in replies:
+                final[reply.metadata.src_node_id] = reply
+            pending = {node: m for node, m in pending.items() if node not in final or final[node].has_error()}
+        return list(final.values())
+
     @staticmethod
     def _reason(msg: Message) -> str:
         reason = (msg.error.reason or "").strip()
         lines = [ln for ln in reason.splitlines() if ln.strip()]
         return lines[-1].strip() if lines else f"error code {msg.error.code}"
+
+
+def _round_of(msg: Message) -> int:
+    config = msg.content["config"] if "config" in msg.content else {}
+    return int(config.get("server-round", 0))
+
+
+def _with_attempt(msg: Message, attempt: int) -> Message:
+    """A fresh copy of ``msg`` (same content and destination) marked as retry number ``attempt``."""
+    content = RecordDict(dict(msg.content.items()))
+    config = dict(msg.content["config"]) if "config" in msg.content else {}
+    content["config"] = ConfigRecord({**config, ATTEMPT: attempt})
+    return Message(content, msg.metadata.dst_node_id, msg.metadata.message_type, group_id=msg.metadata.group_id)

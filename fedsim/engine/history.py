@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
 
 
 @dataclass
@@ -17,6 +17,10 @@ class RoundRecord:
     clients_failed: int = 0
     failures: list[str] = field(default_factory=list)  # one line per failed client reply
     client_metrics: dict[int, dict[str, float]] = field(default_factory=dict)  # train metrics by partition
+    clients_dropped: int = 0  # unavailable (simulated system model)
+    stragglers: int = 0  # past the simulated round deadline
+    retries: int = 0  # messages resent after a failure
+    sim_seconds: float | None = None  # simulated round length (with engine.system)
 
     def as_metrics(self) -> dict[str, float]:
         """Everything numeric, under the names logged to MLflow."""
@@ -24,7 +28,21 @@ class RoundRecord:
         if self.round > 0:
             out.update({"round/seconds": self.seconds, "round/clients_ok": float(self.clients_ok),
                         "round/clients_failed": float(self.clients_failed)})
+            if self.retries:
+                out["round/retries"] = float(self.retries)
+            if self.sim_seconds is not None:
+                out.update({"round/sim_seconds": self.sim_seconds, "round/clients_dropped": float(self.clients_dropped),
+                            "round/stragglers": float(self.stragglers)})
         return out
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> "RoundRecord":
+        data = dict(data)
+        data["client_metrics"] = {int(k): v for k, v in data.get("client_metrics", {}).items()}
+        return RoundRecord(**data)
 
 
 class RoundObserver(Protocol):

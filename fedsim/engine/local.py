@@ -3,12 +3,20 @@
 No SuperLink, no Ray, no serialisation: Flower's own strategies run unchanged against
 :class:`InProcessGrid`, the learner keeps its model and data resident between rounds, and each
 node keeps a persistent ``Context`` (so ``context.state`` survives across rounds, as in Flower's
-simulation).  Client exceptions become error replies, exactly as Flower's runtimes report them.
+simulation, and the server can checkpoint it).  Client exceptions become error replies, exactly as
+Flower's runtimes report them.
+
+Deadlines: a round's calls never run past the round timeout (later calls get a timeout reply
+without running), and with ``engine.client_timeout_s`` (or injected hangs) each call runs in a
+daemon thread joined with that limit.  A call that overruns is abandoned with a timeout reply; the
+abandoned thread may still be using the learner, so the next call builds a fresh one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
+import time
 import traceback
 import uuid
 from collections.abc import Iterable, Iterator
@@ -21,7 +29,7 @@ from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
 from fedsim.engine.history import RoundObserver
-from fedsim.engine.runtime import RunSpec, build_client_app
+from fedsim.engine.runtime import RunSpec, build_client_app, drop_learners
 from fedsim.engine.server import ServerResult, run_server
 
 #: Error code of a ClientApp exception (Flower uses 2 for "ClientApp exception" too).
@@ -31,9 +39,12 @@ CLIENT_APP_EXCEPTION = 2
 class InProcessGrid(Grid):
     """Synchronous in-process Grid: ``send_and_receive`` runs the ClientApp for each message."""
 
-    def __init__(self, client_app: ClientApp, num_nodes: int, run_id: int = 1) -> None:
+    def __init__(self, client_app: ClientApp, num_nodes: int, run_id: int = 1,
+                 client_timeout: float | None = None) -> None:
         self.client_app = client_app
+        self.client_timeout = client_timeout
         self._run_id = run_id
+        self._deadline: float | None = None
         self.contexts: dict[int, Context] = {
             pid + 1: Context(run_id=run_id, node_id=pid + 1,
                              node_config={"partition-id": pid, "num-partitions": num_nodes},
@@ -68,15 +79,38 @@ class InProcessGrid(Grid):
         return [self._replies.pop(i) for i in message_ids if i in self._replies]
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
-        return self.pull_messages(self.push_messages(messages))
+        self._deadline = time.monotonic() + timeout if timeout is not None else None
+        try:
+            return self.pull_messages(self.push_messages(messages))
+        finally:
+            self._deadline = None
 
     def _deliver(self, msg: Message) -> Message:
+        left = None if self._deadline is None else self._deadline - time.monotonic()
+        if left is not None and left <= 0:
+            return _error(msg, "timeout: the round's deadline passed before this client ran")
+        limit = min(x for x in (self.client_timeout, left) if x is not None) if self.client_timeout else None
+        if limit is None:
+            return self._call(msg)
+        box: dict[str, Message] = {}
+        worker = threading.Thread(target=lambda: box.setdefault("reply", self._call(msg)), daemon=True)
+        worker.start()
+        worker.join(limit)
+        if worker.is_alive():  # abandoned: it may still touch the learner, so drop it for a fresh one
+            drop_learners()
+            return _error(msg, f"timeout: no reply within {limit:.1f}s")
+        return box["reply"]
+
+    def _call(self, msg: Message) -> Message:
         context = self.contexts[msg.metadata.dst_node_id]
         try:
             return self.client_app(msg, context)
         except Exception as exc:  # a failing client is reported, never raised into the server
-            reason = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-            return Message(Error(code=CLIENT_APP_EXCEPTION, reason=reason), reply_to=msg)
+            return _error(msg, "".join(traceback.format_exception_only(type(exc), exc)).strip())
+
+
+def _error(msg: Message, reason: str) -> Message:
+    return Message(Error(code=CLIENT_APP_EXCEPTION, reason=reason), reply_to=msg)
 
 
 @contextlib.contextmanager
@@ -90,7 +124,15 @@ def server_identity(run_id: int) -> Iterator[None]:
         TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved
 
 
-def run_local(spec: RunSpec, observers: list[RoundObserver]) -> ServerResult:
-    grid = InProcessGrid(build_client_app(spec), spec.cfg.num_clients)
+def client_time_limit(spec: RunSpec) -> float | None:
+    """The per-call limit of the in-process engines (None: calls run inline, no thread)."""
+    e = spec.cfg.engine
+    if e.client_timeout_s is not None:
+        return e.client_timeout_s
+    return e.round_timeout_s if e.faults.hang_fraction > 0 else None
+
+
+def run_local(spec: RunSpec, observers: list[RoundObserver], **server_kwargs) -> ServerResult:
+    grid = InProcessGrid(build_client_app(spec), spec.cfg.num_clients, client_timeout=client_time_limit(spec))
     with server_identity(run_id=1):
-        return run_server(grid, spec, observers)
+        return run_server(grid, spec, observers, **server_kwargs)

@@ -76,6 +76,12 @@ def get_learner(spec: RunSpec) -> Any:
     return learner
 
 
+def drop_learners() -> None:
+    """Forget this process's learners (the next call builds a fresh one)."""
+    with _cache_lock:
+        _learners.clear()
+
+
 def check_learner(cfg: C.ExperimentConfig) -> None:
     """Fail fast (before any run starts) on an unknown learner, bad params or unsupported DP."""
     LEARNERS.params(cfg.client.learner, cfg.client.params, "client.params")

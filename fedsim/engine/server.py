@@ -1,10 +1,13 @@
 """The server side of a run, written once for every engine.
 
 ``run_server(grid, spec, observers)`` is the body of the ServerApp: it discovers the nodes, builds
-the strategy from the registry, and runs Flower's own ``Strategy.start`` round loop over a
-:class:`MonitoredGrid`.  The centralised-evaluation callback that ``start`` calls after every round
-closes the round: it evaluates the global model, emits a :class:`RoundRecord` to the observers and
-re-seeds Python's ``random`` (which Flower's node sampling uses) for the next round.
+the strategy from the registry and runs the round loop over a :class:`MonitoredGrid`.  The loop is
+Flower's own ``Strategy.start`` sequence (configure_train → send → aggregate_train →
+configure_evaluate → send → aggregate_evaluate → centralised evaluation), written out here so that a
+run can start at any round: that is what resuming from a checkpoint needs.  Closing a round
+evaluates the global model, emits a :class:`RoundRecord` to the observers, re-seeds Python's
+``random`` (which Flower's node sampling uses) and NumPy's for the next round, and saves a
+checkpoint (:mod:`fedsim.engine.checkpoint`) when asked.
 """
 
 from __future__ import annotations
@@ -13,15 +16,19 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
+
+from pathlib import Path
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord
 from flwr.serverapp import Grid
 
+from fedsim.engine import checkpoint as ckpt
 from fedsim.engine.grid import MonitoredGrid
 from fedsim.engine.history import RoundObserver, RoundRecord
 from fedsim.engine.runtime import RunSpec, get_learner, torch_threads
+from fedsim.engine.system import SystemModel
 from fedsim.errors import ConfigError
 from fedsim.registry import STRATEGIES
 from fedsim.seeding import derive_seed
@@ -70,47 +77,96 @@ def _prefixed(prefix: str, metrics: dict[str, float], rename: dict[str, str] | N
     return {f"{prefix}/{rename.get(k, k)}": float(v) for k, v in metrics.items() if "/" not in k}
 
 
-def run_server(grid: Grid, spec: RunSpec, observers: list[RoundObserver]) -> ServerResult:
+def seed_round(seed: int, server_round: int) -> None:
+    """Seed the global RNGs that Flower's node sampling and DP wrappers use, for ``server_round``."""
+    random.seed(derive_seed(seed, "client-sampling", server_round))
+    np.random.seed(derive_seed(seed, "server-noise", server_round) % 2**32)
+
+
+def play_round(strategy: Any, grid: Grid, server_round: int, arrays: ArrayRecord, timeout: float) -> ArrayRecord:
+    """One round of Flower's ``Strategy.start`` loop; returns the new global arrays."""
+    replies = grid.send_and_receive(strategy.configure_train(server_round, arrays, ConfigRecord(), grid),
+                                    timeout=timeout)
+    aggregated, _ = strategy.aggregate_train(server_round, replies)
+    if aggregated is not None:
+        arrays = aggregated
+    replies = grid.send_and_receive(strategy.configure_evaluate(server_round, arrays, ConfigRecord(), grid),
+                                    timeout=timeout)
+    strategy.aggregate_evaluate(server_round, replies)
+    return arrays
+
+
+def run_server(grid: Grid, spec: RunSpec, observers: list[RoundObserver], *,
+               checkpoint_dir: Path | None = None, resume: ckpt.Checkpoint | None = None) -> ServerResult:
+    """Run the rounds of ``spec`` on ``grid``; from ``resume``'s round when given.
+
+    With ``checkpoint_dir`` the server state is saved there after every round; it needs a grid that
+    keeps its nodes' contexts on the server side (``grid.contexts``: the local and ray engines).
+    """
     cfg = spec.cfg
     strategy = build_strategy(spec)
-    monitored = MonitoredGrid(grid, required_results(spec), query_timeout=cfg.engine.round_timeout_s)
-    monitored.discover(cfg.num_clients)
     learner = get_learner(spec)
-    with torch_threads(cfg.engine.threads_per_client):
-        initial = learner.init_arrays()
+    system = SystemModel(cfg.engine.system, cfg.seed, learner.local_work) if cfg.engine.system.enabled else None
+    monitored = MonitoredGrid(grid, required_results(spec), query_timeout=cfg.engine.round_timeout_s,
+                              system=system, retries=cfg.engine.retries)
+    monitored.discover(cfg.num_clients)
+    contexts = getattr(grid, "contexts", None)
+    if checkpoint_dir is not None and contexts is None:
+        raise ConfigError(f"engine {cfg.engine.name!r} keeps no node state on the server, so it cannot checkpoint; "
+                          f"use engine.name=local or ray, or set engine.checkpoint=false")
     records: list[RoundRecord] = []
+    close_round = _round_closer(spec, monitored, records, observers)
 
-    def close_round(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+    if resume is None:
+        with torch_threads(cfg.engine.threads_per_client):
+            arrays = ArrayRecord(learner.init_arrays())
+        close_round(0, arrays)
+        first = 1
+    else:
+        arrays = ArrayRecord(resume.arrays)
+        ckpt.restore_strategy_state(strategy, resume.strategy_state)
+        if contexts is not None:
+            ckpt.restore_node_states(contexts, resume.node_states)
+        records.extend(resume.records)
+        ckpt.restore_rng_states(resume.rng)
+        first = resume.round + 1
+
+    for server_round in range(first, cfg.rounds + 1):
+        arrays = play_round(strategy, monitored, server_round, arrays, cfg.engine.round_timeout_s)
+        close_round(server_round, arrays)
+        if checkpoint_dir is not None:
+            ckpt.save(checkpoint_dir, ckpt.Checkpoint(
+                round=server_round, config_yaml=spec.config_yaml, arrays=arrays.to_torch_state_dict(),
+                strategy_state=ckpt.strategy_state(strategy), node_states=ckpt.node_states(contexts or {}),
+                rng=ckpt.rng_states(), records=list(records)))
+    return ServerResult(arrays.to_torch_state_dict(), records)
+
+
+def _round_closer(spec: RunSpec, monitored: MonitoredGrid, records: list[RoundRecord],
+                  observers: list[RoundObserver]) -> Callable[[int, ArrayRecord], None]:
+    """The end of a round: evaluate, record, notify the observers, seed the next round."""
+    cfg = spec.cfg
+
+    def close_round(server_round: int, arrays: ArrayRecord) -> None:
         tally = monitored.tally
         metrics: dict[str, float] = {}
         metrics.update(_prefixed("train", tally.train_metrics, {"train_loss": "loss"}))
         metrics.update(_prefixed("fed_eval", tally.eval_metrics))
-        server_metrics: dict[str, float] = {}
         if cfg.evaluation.server:
             with torch_threads(cfg.engine.threads_per_client):
-                server_metrics = learner.evaluate_global(arrays.to_torch_state_dict())
-            metrics.update(_prefixed("eval", server_metrics))
+                # looked up each round: an engine may replace the learner (after an abandoned call)
+                metrics.update(_prefixed("eval", get_learner(spec).evaluate_global(arrays.to_torch_state_dict())))
         seconds = time.perf_counter() - tally.started if tally.started is not None else 0.0
         record = RoundRecord(server_round, metrics, seconds, tally.train_ok, tally.train_failed + tally.eval_failed,
-                             list(tally.failures), dict(tally.client_train_metrics))
+                             list(tally.failures), dict(tally.client_train_metrics),
+                             clients_dropped=tally.dropped, stragglers=tally.stragglers, retries=tally.retried,
+                             sim_seconds=tally.sim_seconds if monitored.system is not None and server_round else None)
         for failure in tally.failures:
             log.warning("round %d: client failure: %s", server_round, failure)
         records.append(record)
         for obs in observers:
             obs.on_round(record)
-        random.seed(derive_seed(cfg.seed, "client-sampling", server_round + 1))
-        np.random.seed(derive_seed(cfg.seed, "server-noise", server_round + 1) % 2**32)  # Flower's DP wrappers
+        seed_round(cfg.seed, server_round + 1)
         monitored.begin_round()
-        return MetricRecord(server_metrics) if server_metrics else None
 
-    result = strategy.start(
-        grid=monitored,
-        initial_arrays=ArrayRecord(initial),
-        num_rounds=cfg.rounds,
-        timeout=cfg.engine.round_timeout_s,
-        train_config=ConfigRecord({}),
-        evaluate_config=ConfigRecord({}),
-        evaluate_fn=close_round,
-    )
-    final = result.arrays if result.arrays is not None and len(result.arrays) else ArrayRecord(initial)
-    return ServerResult(final.to_torch_state_dict(), records)
+    return close_round
