@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("overrides", nargs="*", help="overrides applied to every run, e.g. rounds=5")
     rep.add_argument("--seeds", type=_positive_int, help="number of seeds (0..N-1) instead of the spec's list")
     rep.add_argument("--tracking-uri", help="MLflow tracking URI")
+    rep.add_argument("--resume", metavar="PARENT_RUN_ID",
+                     help="continue an interrupted claim check: finished runs are read back, the rest run")
 
     ui = sub.add_parser("ui", help="open the MLflow UI on 127.0.0.1 over the same store")
     ui.add_argument("--port", type=int, default=5000)
@@ -136,7 +138,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     console = Console()
     console.print(f"[bold]{args.claim}[/bold]: {spec.description}")
     results, parent = run_claim(args.claim, spec, tracking_uri=args.tracking_uri,
-                                on_progress=lambda msg: console.print(msg, highlight=False))
+                                on_progress=lambda msg: console.print(msg, highlight=False), resume_parent=args.resume)
     rows = results_table_rows(spec, results)
     table = Table(title=f"{args.claim}: mean ± std over {len(spec.seeds)} seeds", header_style="bold")
     cols = list(dict.fromkeys(k for row in rows for k in row))

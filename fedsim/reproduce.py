@@ -61,6 +61,12 @@ class ConfigResult:
     curves: list[list[float]] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
 
+    def add(self, curve: list[float], moving_average: int) -> None:
+        """One seed's metric curve (round 0 first)."""
+        self.curves.append(curve)
+        self.finals.append(curve[-1] if curve else float("nan"))
+        self.best_moving.append(best_moving_average(curve[1:], moving_average))
+
     @staticmethod
     def mean_std(values: list[float]) -> tuple[float, float]:
         if not values:
@@ -142,8 +148,13 @@ def run_claim(
     tracking_uri: str | None = None,
     on_progress: Callable[[str], None] = lambda msg: None,
     run_one: Callable[..., Any] | None = None,
+    resume_parent: str | None = None,
 ) -> tuple[list[ConfigResult], str | None]:
-    """Run every (setting, seed); a failing run is reported and does not stop the others."""
+    """Run every (setting, seed); a failing run is reported and does not stop the others.
+
+    ``resume_parent`` continues an interrupted claim check: children that finished are read back
+    from MLflow, a child with a checkpoint is resumed, the others are run.
+    """
     from fedsim.runner import run_experiment
     from fedsim.tracking import MlflowRecorder, git_commit
 
@@ -152,29 +163,43 @@ def run_claim(
     configs = [(s, seed, build_config(spec, s, seed)) for s in grid for seed in spec.seeds]  # validate all first
     tracking = configs[0][2].tracking
     parent = None
-    if tracking.enabled:
+    params = {"claim": name, "base_experiment": spec.experiment, "seeds": len(spec.seeds),
+              "grid": str(dict(spec.grid)), "overrides": " ".join(spec.overrides)}
+    done: dict[str, Any] = {}
+    if resume_parent:
+        if not tracking.enabled:
+            raise ConfigError("--resume continues an MLflow parent run, so it needs tracking")
+        parent = MlflowRecorder.reopen(tracking_uri or tracking.uri, resume_parent)
+        done = _finished_children(parent, params)
+    elif tracking.enabled:
         parent = MlflowRecorder(tracking_uri or tracking.uri, tracking.experiment, run_name=f"reproduce-{name}",
                                 tags={"experiment": f"reproduce/{name}", "kind": "claim-check",
                                       "git_commit": git_commit()})
-        parent.log_params({"claim": name, "base_experiment": spec.experiment, "seeds": len(spec.seeds),
-                           "grid": str(dict(spec.grid)), "overrides": " ".join(spec.overrides)})
+        parent.log_params(params)
     results = {label_of(s): ConfigResult(label_of(s), s) for s in grid}
     status = "FAILED"
     try:
         for i, (setting, seed, cfg) in enumerate(configs, 1):
             res = results[label_of(setting)]
+            child_name = f"{res.label} | seed {seed}"
+            previous = done.get(child_name)
+            if previous is not None and previous.info.status == "FINISHED":
+                on_progress(f"[{i}/{len(configs)}] {res.label}, seed {seed}: finished before, read back")
+                res.add(_logged_curve(parent, previous.info.run_id, spec.metric), spec.moving_average)
+                continue
             on_progress(f"[{i}/{len(configs)}] {res.label}, seed {seed}")
+            kwargs: dict[str, Any] = {}
+            if previous is not None and _has_checkpoint(cfg, previous.info.run_id):
+                kwargs["resume_run_id"] = previous.info.run_id
+                on_progress(f"    resuming run {previous.info.run_id} from its checkpoint")
             try:
                 summary = run_one(cfg, tracking_uri=tracking_uri, parent_run_id=parent.run_id if parent else None,
-                                  run_name=f"{res.label} | seed {seed}")
+                                  run_name=child_name, **kwargs)
             except FedsimError as exc:
                 res.failed.append(f"seed {seed}: {exc}")
                 on_progress(f"    failed: {exc}")
                 continue
-            curve = [v for _, v in _series(summary.history, spec.metric)]
-            res.curves.append(curve)
-            res.finals.append(curve[-1] if curve else float("nan"))
-            res.best_moving.append(best_moving_average(curve[1:], spec.moving_average))
+            res.add([v for _, v in _series(summary.history, spec.metric)], spec.moving_average)
         status = "FINISHED"
     except KeyboardInterrupt:
         status = "KILLED"
@@ -185,6 +210,34 @@ def run_claim(
                 _log_results(parent, name, spec, list(results.values()))
             parent.finish(status)
     return list(results.values()), parent.run_id if parent else None
+
+
+def _finished_children(parent: Any, params: dict[str, Any]) -> dict[str, Any]:
+    """The parent's children by run name (the latest per name), after checking the spec matches."""
+    logged = parent.client.get_run(parent.run_id).data.params
+    for key in ("claim", "grid", "overrides", "seeds"):
+        if key in logged and logged[key] != str(params[key])[:500]:
+            raise ConfigError(f"--resume {parent.run_id}: that claim check ran with {key}={logged[key]!r}, "
+                              f"not {str(params[key])!r}; resume it with the same claim and overrides")
+    runs = parent.client.search_runs([parent.experiment_id],
+                                     filter_string=f"tags.mlflow.parentRunId = '{parent.run_id}'",
+                                     order_by=["attributes.start_time ASC"], max_results=10000)
+    children: dict[str, Any] = {}
+    for run in runs:
+        name = run.info.run_name
+        if name not in children or children[name].info.status != "FINISHED":
+            children[name] = run
+    return children
+
+
+def _logged_curve(parent: Any, run_id: str, metric: str) -> list[float]:
+    return [m.value for m in sorted(parent.client.get_metric_history(run_id, metric), key=lambda m: m.step)]
+
+
+def _has_checkpoint(cfg: C.ExperimentConfig, run_id: str) -> bool:
+    from fedsim.engine import checkpoint as ckpt
+
+    return ckpt.exists(Path(cfg.engine.checkpoint_dir).expanduser().resolve() / run_id)
 
 
 def _metric_name(label: str) -> str:

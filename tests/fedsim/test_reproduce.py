@@ -58,3 +58,41 @@ def test_reproduce_logs_parent_with_children(tmp_path, tracking_uri, capsys) -> 
     assert all(r.info.status == "FINISHED" for r in runs)
     arts = {a.path for a in client.list_artifacts(parents[0].info.run_id)}
     assert {"results.csv", "results.md", "plots"} <= arts
+
+
+def test_an_interrupted_claim_check_resumes_where_it_stopped(tmp_path, tracking_uri, in_tmp) -> None:
+    from fedsim.reproduce import run_claim
+    from fedsim.runner import run_experiment
+
+    path = tmp_path / "claim.yaml"
+    path.write_text("experiment: fedavg\noverrides: [rounds=2, num_clients=2, data.name=digits, model.name=mlp,"
+                    " data.partition.name=iid, engine.keep_checkpoint=true]\ngrid:\n  client.lr: [0.05, 0.2]\n"
+                    "seeds: [0, 1]\n")
+    spec = load_claim(str(path))
+    full, _ = run_claim("c", spec, tracking_uri=tracking_uri)
+    calls: list[str] = []
+
+    def interrupted(cfg, **kw):
+        calls.append(kw["run_name"])
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return run_experiment(cfg, **kw)
+
+    with pytest.raises(KeyboardInterrupt):
+        run_claim("c", spec, tracking_uri=tracking_uri, run_one=interrupted)
+    client = MlflowClient(tracking_uri)
+    parent = [r for r in client.search_runs([client.get_experiment_by_name("fedsim").experiment_id])
+              if r.data.tags.get("kind") == "claim-check" and r.info.status == "KILLED"][0]
+    rerun: list[str] = []
+
+    def counting(cfg, **kw):
+        rerun.append(kw["run_name"])
+        return run_experiment(cfg, **kw)
+
+    resumed, parent_id = run_claim("c", spec, tracking_uri=tracking_uri, run_one=counting,
+                                   resume_parent=parent.info.run_id)
+    assert parent_id == parent.info.run_id and rerun == calls[2:] + ["lr=0.2 | seed 1"]
+    assert [r.finals for r in resumed] == [r.finals for r in full]
+    assert client.get_run(parent_id).info.status == "FINISHED"
+    with pytest.raises(ConfigError, match="that claim check ran with"):
+        run_claim("c", load_claim(str(path), seeds=1), tracking_uri=tracking_uri, resume_parent=parent_id)
