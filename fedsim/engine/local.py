@@ -10,18 +10,23 @@ Deadlines: a round's calls never run past the round timeout (later calls get a t
 without running), and with ``engine.client_timeout_s`` (or injected hangs) each call runs in a
 daemon thread joined with that limit.  A call that overruns is abandoned with a timeout reply; the
 abandoned thread may still be using the learner, so the next call builds a fresh one.
+
+With ``engine.vectorise`` a round's training messages are answered together by
+:func:`clients.vectorised.train_cohort` (exactly the sequential result); the per-call deadline does
+not split a batched cohort, the round deadline still bounds the round.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 import traceback
 import uuid
 from collections.abc import Iterable, Iterator
 
-from flwr.app import Context, Error, Message, RecordDict
+from flwr.app import Context, Error, Message, MessageType, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.serverapp import Grid
@@ -35,14 +40,18 @@ from fedsim.engine.server import ServerResult, run_server
 #: Error code of a ClientApp exception (Flower uses 2 for "ClientApp exception" too).
 CLIENT_APP_EXCEPTION = 2
 
+log = logging.getLogger("fedsim")
+
 
 class InProcessGrid(Grid):
     """Synchronous in-process Grid: ``send_and_receive`` runs the ClientApp for each message."""
 
     def __init__(self, client_app: ClientApp, num_nodes: int, run_id: int = 1,
-                 client_timeout: float | None = None) -> None:
+                 client_timeout: float | None = None, vectorise_spec: RunSpec | None = None) -> None:
         self.client_app = client_app
         self.client_timeout = client_timeout
+        self.vectorise_spec = vectorise_spec  # set: train a round's cohort together (engine.vectorise)
+        self._vectorise_refused: str | None = None
         self._run_id = run_id
         self._deadline: float | None = None
         self.contexts: dict[int, Context] = {
@@ -67,13 +76,52 @@ class InProcessGrid(Grid):
         return list(self.contexts)
 
     def push_messages(self, messages: Iterable[Message]) -> list[str]:
-        ids = []
+        messages = list(messages)
         for msg in messages:
-            msg_id = uuid.uuid4().hex
-            msg.metadata.__dict__["_message_id"] = msg_id
-            self._replies[msg_id] = self._deliver(msg)
-            ids.append(msg_id)
-        return ids
+            msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+        cohort = self._train_cohort(messages) if self.vectorise_spec is not None else {}
+        for msg in messages:
+            mid = msg.metadata.message_id
+            self._replies[mid] = cohort[mid] if mid in cohort else self._deliver(msg)
+        return [m.metadata.message_id for m in messages]
+
+    def _train_cohort(self, messages: list[Message]) -> dict[str, Message]:
+        """Train messages answered together by :func:`clients.vectorised.train_cohort` (``engine.vectorise``).
+
+        Clients with an injected fault, and every client when the cohort cannot be vectorised
+        exactly (the reason is logged once) or the batched call raises, go the sequential way.
+        """
+        from clients.vectorised import train_cohort, vectorise_unsupported
+        from fedsim.engine.runtime import ATTEMPT, get_learner, injected_fault, node_context, torch_threads, train_reply
+
+        spec = self.vectorise_spec
+        assert spec is not None
+        cfg = spec.cfg
+        msgs, ctxs = [], []
+        for msg in messages:
+            if msg.metadata.message_type != MessageType.TRAIN:
+                continue
+            ctx = node_context(msg, self.contexts[msg.metadata.dst_node_id], cfg)
+            if injected_fault(cfg, ctx.partition_id, ctx.server_round, int(ctx.config.get(ATTEMPT, 0))) is None:
+                msgs.append(msg)
+                ctxs.append(ctx)
+        if len(msgs) < 2:
+            return {}
+        learner = get_learner(spec)
+        reason = vectorise_unsupported(learner, ctxs)
+        if reason is not None:
+            if reason != self._vectorise_refused:
+                log.warning("engine.vectorise: training clients one by one, because %s", reason)
+                self._vectorise_refused = reason
+            return {}
+        try:
+            with torch_threads(cfg.engine.threads_per_client):
+                results = train_cohort(learner, [m.content["arrays"].to_torch_state_dict() for m in msgs], ctxs,
+                                       cfg.engine.vectorise_chunk)
+        except Exception as exc:  # keep per-client failure semantics: redo them one by one
+            log.warning("engine.vectorise: the batched round failed (%s); training clients one by one", exc)
+            return {}
+        return {m.metadata.message_id: train_reply(m, r) for m, r in zip(msgs, results)}
 
     def pull_messages(self, message_ids: Iterable[str]) -> list[Message]:
         return [self._replies.pop(i) for i in message_ids if i in self._replies]
@@ -133,6 +181,7 @@ def client_time_limit(spec: RunSpec) -> float | None:
 
 
 def run_local(spec: RunSpec, observers: list[RoundObserver], **server_kwargs) -> ServerResult:
-    grid = InProcessGrid(build_client_app(spec), spec.cfg.num_clients, client_timeout=client_time_limit(spec))
+    grid = InProcessGrid(build_client_app(spec), spec.cfg.num_clients, client_timeout=client_time_limit(spec),
+                         vectorise_spec=spec if spec.cfg.engine.vectorise else None)
     with server_identity(run_id=1):
         return run_server(grid, spec, observers, **server_kwargs)

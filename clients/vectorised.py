@@ -1,0 +1,351 @@
+"""Vectorised clients: train a round's whole cohort of supervised clients together with ``torch.func``.
+
+:func:`train_cohort` returns, for every ``(arrays, ctx)`` of a cohort, what
+``SupervisedLearner.train(arrays, ctx)`` returns (arrays, ``num_examples``, ``train_loss``,
+``local_steps`` and the transform metrics), but runs the cohort's local steps as one batched
+computation: the clients' models are stacked along a leading client axis and every optimiser step
+of a chunk of clients is a single ``vmap(grad_and_value(loss))`` over ``functional_call`` followed
+by a batched optimiser update.
+
+Why it is exact (up to the float rounding of batched kernels: measured max |Δw| 6e-8 after 4-16
+steps and 4e-7 after 40 momentum steps of the small CNN; the tests check ``atol=1e-5``):
+
+* per client, the preparation is the learner's own, in the same order: ``_load``, the proximal
+  anchor taken before the transforms, ``apply_transforms`` on the learner's model, then the state
+  is read back (a client without transforms whose arrays a strict load would accept is copied
+  straight into the stack: loading is then a plain copy);
+* each client's batches are the ones ``iterate_batches`` draws from the same
+  ``torch.Generator().manual_seed(ctx.seed("batches"))`` (:func:`batch_schedule` draws the same
+  permutations), and it takes ``num_local_steps(len(y), cfg)`` steps;
+* batches are padded to a common width; the loss is the cross-entropy averaged over the client's
+  real examples only (padded rows get weight 0, so they add exactly 0 to the gradient), plus
+  FedProx's ``(mu/2)||w - w_global||^2`` when the client's round config carries ``"proximal-mu"``;
+* the update is ``torch.optim.SGD``'s (weight decay added to the gradient, momentum buffer set to
+  the first step's direction, then ``buf = m * buf + d``; no dampening, no Nesterov, as
+  :func:`clients.supervised.make_optimizer` builds it) or ``torch.optim.Adam``'s (L2 weight decay,
+  bias corrections in double precision as torch computes them); ``grad_clip`` is the per-client
+  global-norm clip of ``clip_grad_norm_``;
+* clients are sorted by their number of steps, so the clients still training at any step are a
+  prefix of the chunk: the others are simply not computed any more.
+
+Valid only where the result is exactly the sequential one (:func:`vectorise_unsupported` says why
+not): a ``SupervisedLearner`` that keeps its ``train``/``_train_plain``/``loss``/``_reply_arrays``,
+no sample-level DP, an SGD or Adam optimiser, no batch-statistics normalisation (BatchNorm, or any
+norm with running stats), no active dropout (``vmap`` runs with ``randomness="error"``, so any
+other random op in the forward pass raises rather than silently differing), no adapter models
+(``federated_keys``), no tied parameters, and every client has at least one training example.
+
+A failure anywhere (e.g. a transform raising for one client) fails the whole call; a caller that
+needs per-client failure semantics falls back to sequential training then.
+
+Measured speed (MLP ``hidden=[32]``, 200 clients, 1 local epoch at batch 16, momentum 0.9,
+``torch.set_num_threads(1)``, best of 3 on a loaded 2-core machine): MNIST iid (16 examples, 1 step
+per client) sequential 0.45 s, vectorised 0.12 s (3.7x; the per-client preparation dominates);
+synthetic Dirichlet (12-143 examples, 1-9 steps) sequential 1.05 s, vectorised 0.09 s (12x) with
+chunk 256, 0.19 s with chunk 32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.func import functional_call, grad_and_value, vmap
+from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
+from torch.nn.modules.dropout import _DropoutNd
+
+from clients.base import Learner, NodeContext, StateDict, TrainResult
+from clients.supervised import PROXIMAL_MU, SupervisedLearner, make_optimizer, num_local_steps
+from clients.transforms import TRANSFORM_KEY, apply_transforms
+
+#: Methods a learner must inherit unchanged from SupervisedLearner for the result to be the same.
+KEPT_METHODS = ("train", "_train_plain", "loss", "_reply_arrays")
+
+Tensors = dict[str, torch.Tensor]
+
+
+# -- validity -------------------------------------------------------------------------------------
+
+def _optimizer_unsupported(learner: SupervisedLearner) -> str | None:
+    opt = make_optimizer(learner.model, learner.cfg)
+    d = opt.defaults
+    if type(opt) is torch.optim.SGD:
+        if d["nesterov"] or d["dampening"] != 0 or d["maximize"]:
+            return "SGD with nesterov, dampening or maximize is not implemented"
+        return None
+    if type(opt) is torch.optim.Adam:
+        if d["amsgrad"] or d["maximize"] or d.get("decoupled_weight_decay", False):
+            return "Adam with amsgrad, maximize or decoupled weight decay is not implemented"
+        return None
+    return f"optimizer {type(opt).__name__} is not implemented (only SGD and Adam)"
+
+
+def _model_unsupported(model: nn.Module) -> str | None:
+    if hasattr(model, "federated_keys"):
+        return "adapter models (federated_keys) are not supported"
+    for name, m in model.named_modules():
+        if isinstance(m, _BatchNorm) or (isinstance(m, _NormBase) and m.track_running_stats):
+            return f"module {name!r} ({type(m).__name__}) uses batch statistics or running stats"
+        if isinstance(m, _DropoutNd) and m.p > 0:
+            return f"module {name!r} is an active dropout (p={m.p}): its random masks would differ"
+    if len(list(model.named_parameters(remove_duplicate=False))) != len(list(model.named_parameters())):
+        return "models with tied (shared) parameters are not supported"
+    if not any(p.requires_grad for p in model.parameters()):
+        return "the model has no trainable parameters"
+    return None
+
+
+def vectorise_unsupported(learner: Learner, ctxs: list[NodeContext]) -> str | None:
+    """Why this cohort cannot be trained exactly by :func:`train_cohort` (None: it can)."""
+    if not isinstance(learner, SupervisedLearner):
+        return f"learner {type(learner).__name__} is not a SupervisedLearner"
+    for name in KEPT_METHODS:
+        if getattr(type(learner), name) is not getattr(SupervisedLearner, name):
+            return f"{type(learner).__name__} overrides SupervisedLearner.{name}"
+    if learner.sample_level_dp:
+        return "sample-level DP-SGD (Opacus) is not vectorised"
+    reason = _model_unsupported(learner.model) or _optimizer_unsupported(learner)
+    if reason:
+        return reason
+    for ctx in ctxs:
+        if len(learner.data.client_train(ctx.partition_id, ctx.server_round).y) == 0:
+            return f"client {ctx.partition_id} has no training examples"
+    return None
+
+
+# -- per-client preparation -----------------------------------------------------------------------
+
+def batch_schedule(n: int, batch_size: int, steps: int, seed: int) -> torch.Tensor:
+    """The first ``steps`` batches of ``iterate_batches(n, batch_size, Generator(seed))`` as rows of a
+    ``[steps, batch_size]`` index tensor, short batches padded with -1."""
+    g = torch.Generator().manual_seed(seed)
+    per_epoch = -(-n // batch_size)
+    epochs = -(-steps // per_epoch)
+    padded = torch.full((epochs, per_epoch * batch_size), -1, dtype=torch.long)
+    for e in range(epochs):
+        padded[e, :n] = torch.randperm(n, generator=g)
+    return padded.view(epochs * per_epoch, batch_size)[:steps]
+
+
+@dataclass
+class _Client:
+    """One client's round: what it received, its data and its batch schedule."""
+
+    arrays: StateDict
+    ctx: NodeContext
+    x: torch.Tensor
+    y: torch.Tensor
+    batches: torch.Tensor  # [steps, batch_size] local indices, -1 = padding
+    mu: float  # FedProx's coefficient, 0 without the proximal term
+
+    @property
+    def steps(self) -> int:
+        return self.batches.shape[0]
+
+
+def _plan(learner: SupervisedLearner, arrays: StateDict, ctx: NodeContext) -> _Client:
+    x, y = learner.data.client_train(ctx.partition_id, ctx.server_round).to_tensors()
+    steps = num_local_steps(len(y), learner.cfg)
+    batches = batch_schedule(len(y), learner.cfg.client.batch_size, steps, ctx.seed("batches"))
+    mu = float(ctx.config[PROXIMAL_MU]) if PROXIMAL_MU in ctx.config else 0.0
+    return _Client(arrays, ctx, x, y, batches, mu)
+
+
+def _plain_copy(arrays: StateDict, slots: Tensors) -> bool:
+    """Whether a strict ``load_state_dict(arrays)`` is just a copy of every key into ``slots``."""
+    return arrays.keys() == slots.keys() and all(arrays[k].shape == s.shape[1:] for k, s in slots.items())
+
+
+@torch.no_grad()
+def _fill(learner: SupervisedLearner, c: _Client, i: int, stacked: Tensors, anchor: Tensors) -> dict[str, float]:
+    """Write client ``i``'s model as ``SupervisedLearner.train`` has it before its first step into
+    ``stacked[k][i]`` (and w_global, taken before the transforms, into ``anchor[n][i]``); returns
+    the transform metrics.  Without transforms loading is a copy, so the model is not touched."""
+    if not c.ctx.config.get(TRANSFORM_KEY) and _plain_copy(c.arrays, stacked):
+        source, transformed = c.arrays, {}
+    else:
+        model = learner._load(c.arrays)
+        learner._set_trainable(model, c.ctx)
+        for n, p in model.named_parameters():
+            if n in anchor:
+                anchor[n][i].copy_(p.detach())
+        transformed = apply_transforms(model, c.ctx.config)
+        source = model.state_dict()
+    for k, s in stacked.items():
+        s[i].copy_(source[k])
+        if k in anchor and source is c.arrays:
+            anchor[k][i].copy_(source[k])
+    return transformed
+
+
+# -- the batched step -----------------------------------------------------------------------------
+
+def _loss_fn(model: nn.Module, proximal: bool) -> Callable[..., torch.Tensor]:
+    """One client's objective as a function of its parameters (vmapped over clients)."""
+
+    def loss(params: Tensors, consts: Tensors, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor,
+             anchor: Tensors, mu: torch.Tensor) -> torch.Tensor:
+        logits = functional_call(model, {**params, **consts}, (x,))
+        ce = nn.functional.cross_entropy(logits, y, reduction="none")
+        value = (ce * mask).sum() / mask.sum().clamp_min(1)
+        if proximal:
+            value = value + (mu / 2) * sum(((params[n] - anchor[n]) ** 2).sum() for n in params)
+        return value
+
+    return loss
+
+
+def _clip(grads: Tensors, max_norm: float) -> Tensors:
+    """``clip_grad_norm_`` per client: scale each client's gradients to global norm <= max_norm."""
+    norms = torch.stack([torch.linalg.vector_norm(g.flatten(1), 2, dim=1) for g in grads.values()])
+    total = torch.linalg.vector_norm(norms, 2, dim=0)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    return {n: g * coef.view(-1, *[1] * (g.dim() - 1)) for n, g in grads.items()}
+
+
+class _Optimiser:
+    """torch's single-tensor SGD / Adam update on stacked parameters, for the first ``k`` clients."""
+
+    def __init__(self, opt: torch.optim.Optimizer, params: Tensors) -> None:
+        self.adam = type(opt) is torch.optim.Adam
+        self.d = opt.defaults
+        self.state: dict[str, Tensors] = {n: {} for n in params}
+        if self.adam:
+            for n, p in params.items():
+                self.state[n] = {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+
+    def step(self, params: Tensors, grads: Tensors, k: int, step: int) -> None:
+        for n, g in grads.items():
+            p = params[n][:k]
+            if self.d["weight_decay"] != 0:
+                g = g.add(p, alpha=self.d["weight_decay"])
+            if self.adam:
+                self._adam(p, g, self.state[n], k, float(step + 1))
+            else:
+                self._sgd(p, g, self.state[n], k, step)
+
+    def _sgd(self, p: torch.Tensor, g: torch.Tensor, st: Tensors, k: int, step: int) -> None:
+        if self.d["momentum"] != 0:
+            if step == 0:  # every client takes its first step together
+                st["buf"] = g.detach().clone()
+                g = st["buf"]
+            else:
+                g = st["buf"][:k].mul_(self.d["momentum"]).add_(g)
+        p.add_(g, alpha=-self.d["lr"])
+
+    def _adam(self, p: torch.Tensor, g: torch.Tensor, st: Tensors, k: int, t: float) -> None:
+        beta1, beta2 = self.d["betas"]
+        exp_avg, exp_avg_sq = st["exp_avg"][:k], st["exp_avg_sq"][:k]
+        exp_avg.lerp_(g, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        step_size = self.d["lr"] / (1 - beta1**t)
+        denom = (exp_avg_sq.sqrt() / (1 - beta2**t) ** 0.5).add_(self.d["eps"])
+        p.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+@dataclass
+class _Chunk:
+    """A chunk's stacked tensors; clients sorted by decreasing number of steps."""
+
+    params: Tensors  # trainable parameters, [C, ...]
+    consts: Tensors  # frozen parameters and buffers, [C, ...]
+    anchor: Tensors  # w_global of the trainable parameters (empty without any proximal term)
+    mu: torch.Tensor  # [C]
+    transformed: list[dict[str, float]]
+    x: torch.Tensor  # the chunk's examples, concatenated
+    y: torch.Tensor
+    index: torch.Tensor  # [S, C, B] rows of x (0 where padded)
+    mask: torch.Tensor  # [S, C, B] 1.0 for real examples
+    active: list[int]  # clients still training at each step (a prefix of the chunk)
+    keys: list[str]  # the model's state_dict keys, in order
+
+
+def _schedule(clients: list[_Client]) -> tuple[torch.Tensor, torch.Tensor]:
+    """All steps' batch rows of the concatenated data, [S, C, B], and whether each is real."""
+    steps, width = clients[0].steps, min(clients[0].batches.shape[1], max(len(c.y) for c in clients))
+    local = torch.full((len(clients), steps, width), -1, dtype=torch.long)
+    for i, c in enumerate(clients):
+        local[i, : c.steps] = c.batches[:, :width]
+    offsets = torch.tensor([0] + [len(c.y) for c in clients]).cumsum(0)[:-1].view(-1, 1, 1)
+    real = local >= 0
+    index = torch.where(real, local + offsets, 0)
+    return index.transpose(0, 1).contiguous(), real.transpose(0, 1).contiguous()
+
+
+def _stack_chunk(learner: SupervisedLearner, clients: list[_Client]) -> _Chunk:
+    model = learner.model
+    stacked = {k: torch.empty((len(clients), *v.shape), dtype=v.dtype, device=v.device)
+               for k, v in model.state_dict().items()}
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    proximal = any(PROXIMAL_MU in c.ctx.config for c in clients)
+    anchor = {n: torch.empty_like(stacked[n]) for n in trainable} if proximal else {}
+    transformed = [_fill(learner, c, i, stacked, anchor) for i, c in enumerate(clients)]
+    params = {n: stacked[n] for n in trainable}
+    consts = {k: v for k, v in stacked.items() if k not in params}
+    index, real = _schedule(clients)
+    dtype = next(iter(params.values())).dtype
+    active = [sum(c.steps > s for c in clients) for s in range(clients[0].steps)]
+    mu = torch.tensor([c.mu for c in clients], dtype=dtype)
+    return _Chunk(params, consts, anchor, mu, transformed, torch.cat([c.x for c in clients]),
+                  torch.cat([c.y for c in clients]), index, real.to(dtype), active, list(stacked))
+
+
+def _train_chunk(learner: SupervisedLearner, clients: list[_Client]) -> list[TrainResult]:
+    """Train clients (sorted by decreasing steps) together; their results in the same order."""
+    model = learner.model
+    model.train()
+    ch = _stack_chunk(learner, clients)
+    proximal = bool(ch.anchor)
+    step_fn = vmap(grad_and_value(_loss_fn(model, proximal)), randomness="error")
+    opt = _Optimiser(make_optimizer(model, learner.cfg), ch.params)
+    clip = learner.params.grad_clip
+    losses = torch.zeros(len(ch.active), len(clients), dtype=torch.float64)
+    for s, k in enumerate(ch.active):
+        idx = ch.index[s, :k]
+        params = {n: p[:k] for n, p in ch.params.items()}
+        grads, loss = step_fn(params, {n: c[:k] for n, c in ch.consts.items()}, ch.x[idx], ch.y[idx],
+                              ch.mask[s, :k], {n: a[:k] for n, a in ch.anchor.items()}, ch.mu[:k])
+        if clip is not None:
+            grads = _clip(grads, clip)
+        opt.step(ch.params, grads, k, s)
+        losses[s, :k] = loss.detach().double()
+    stacked = {**ch.params, **ch.consts}
+    results = []
+    for i, c in enumerate(clients):
+        arrays = {k: stacked[k][i].clone() for k in ch.keys}
+        metrics = {"train_loss": float(losses[: c.steps, i].sum()) / c.steps, "local_steps": float(c.steps),
+                   **ch.transformed[i]}
+        results.append(TrainResult(arrays, num_examples=len(c.y), metrics=metrics))
+    return results
+
+
+# -- public entry point ---------------------------------------------------------------------------
+
+def train_cohort(learner: SupervisedLearner, arrays_list: list[StateDict], ctxs: list[NodeContext],
+                 chunk: int) -> list[TrainResult]:
+    """``[learner.train(a, c) for a, c in zip(arrays_list, ctxs)]``, computed in vmapped chunks of at
+    most ``chunk`` clients; raises ValueError where :func:`vectorise_unsupported` gives a reason."""
+    if len(arrays_list) != len(ctxs):
+        raise ValueError(f"{len(arrays_list)} arrays for {len(ctxs)} clients")
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    reason = vectorise_unsupported(learner, ctxs)
+    if reason is not None:
+        raise ValueError(f"cannot vectorise this cohort: {reason}")
+    if not ctxs:
+        return []
+    sizes = [len(learner.data.client_train(c.partition_id, c.server_round).y) for c in ctxs]
+    order = sorted(range(len(ctxs)), key=lambda i: -num_local_steps(sizes[i], learner.cfg))
+    results: list[TrainResult | None] = [None] * len(ctxs)
+    for start in range(0, len(order), chunk):
+        members = order[start : start + chunk]
+        clients = [_plan(learner, arrays_list[i], ctxs[i]) for i in members]
+        for i, res in zip(members, _train_chunk(learner, clients), strict=True):
+            results[i] = res
+    done = [r for r in results if r is not None]
+    # leave the learner as sequential training would: the last client's model and seeded global RNG
+    learner.model.load_state_dict(done[-1].arrays)
+    torch.manual_seed(ctxs[-1].seed("torch"))
+    return done
