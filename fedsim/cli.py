@@ -77,10 +77,12 @@ def cmd_list() -> int:
 
     table = Table(title="fedsim experiments", show_header=True, header_style="bold")
     table.add_column("name")
+    table.add_column("kind")
     table.add_column("description")
     for name in C.list_experiments():
         data = C.read_yaml(C.EXPERIMENTS_DIR / f"{name}.yaml")
-        table.add_row(name, str(data.get("description", "")).strip().split("\n")[0])
+        kind = f"central: {data['method']}" if "method" in data else "federated"
+        table.add_row(name, kind, str(data.get("description", "")).strip().split("\n")[0])
     Console().print(table)
     return 0
 
@@ -101,6 +103,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from fedsim.progress import RoundProgress, summary_table
     from fedsim.runner import run_experiment
 
+    if C.is_central(args.experiment):
+        return cmd_run_central(args)
     flags = {"rounds": args.rounds, "clients": args.clients, "seed": args.seed, "engine": args.engine}
     cfg = C.load_config(args.experiment, args.overrides, flags)
     _apply_eps(cfg, args.eps)
@@ -125,6 +129,42 @@ def cmd_run(args: argparse.Namespace) -> int:
     console.print(summary_table(f"{cfg.name}: final round {cfg.rounds}", summary.history, extra))
     if summary.run_id and not args.quiet:
         console.print("Open the results with [bold]fedsim ui[/bold].")
+    return 0
+
+
+def cmd_run_central(args: argparse.Namespace) -> int:
+    """``fedsim run <method>`` for a centralised-track experiment."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from central.base import method_params, run_central
+    from fedsim import config as C
+
+    federated_only = {"--rounds": args.rounds, "--clients": args.clients, "--engine": args.engine,
+                      "--eps": args.eps, "--resume": args.resume}
+    given = [flag for flag, value in federated_only.items() if value is not None]
+    if given:
+        raise C.ConfigError(f"{' '.join(given)} applies to federated experiments; {args.experiment!r} is a "
+                            f"centralised method: set its params instead (e.g. params.steps=100)")
+    cfg = C.load_central_config(args.experiment, args.overrides, args.seed)
+    if args.no_tracking:
+        cfg.tracking.enabled = False
+    method_params(cfg)
+    console = Console(quiet=args.quiet)
+    if args.print_config:
+        Console().print(C.to_yaml(cfg), markup=False, highlight=False)
+        return 0
+    console.print(f"[bold]{cfg.name}[/bold] · {cfg.method}: {cfg.description}", highlight=False)
+    summary = run_central(cfg, tracking_uri=args.tracking_uri, show_progress=not args.quiet)
+    table = Table(title=f"{cfg.name}: headline metrics", header_style="bold")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in summary.metrics.items():
+        table.add_row(key, f"{value:.4g}")
+    table.add_row("wall time", f"{summary.wall_seconds:.1f} s")
+    if summary.run_id:
+        table.add_row("mlflow run", summary.run_id)
+    console.print(table)
     return 0
 
 

@@ -215,6 +215,22 @@ class ExperimentConfig:
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
 
 
+@dataclass
+class CentralConfig:
+    """A centralised-track experiment: one registered method (``central/``) with its typed params.
+
+    Recognised by its top-level ``method:`` key.  ``params`` are validated against the method's
+    params dataclass by the registry; ``quick`` asks for the method's fast default (tests, demos).
+    """
+
+    method: str = ""
+    name: str = ""
+    description: str = ""
+    seed: int = 0
+    params: dict[str, Any] = field(default_factory=dict)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+
 #: CLI short flags and the config keys they set.
 FLAG_KEYS: dict[str, str] = {
     "rounds": "rounds",
@@ -262,6 +278,41 @@ def read_yaml(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: an experiment file must be a mapping of keys, got {type(data).__name__}")
     return data
+
+
+def is_central(name_or_path: str) -> bool:
+    """True when the experiment file is a centralised-track one (it names a ``method``)."""
+    return "method" in read_yaml(experiment_path(name_or_path))
+
+
+def load_central_config(name_or_path: str, overrides: list[str] | None = None, seed: int | None = None) -> CentralConfig:
+    """Load a centralised-track experiment with ``key=value`` overrides (``params.*`` checked later)."""
+    path = experiment_path(name_or_path)
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(CentralConfig), read_yaml(path))
+    except OmegaConfBaseException as exc:
+        raise _omegaconf_error(exc, str(path)) from None
+    if not cfg.name:
+        cfg.name = path.stem
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"bad override {item!r}: use key=value, e.g. params.steps=100")
+        key = item.split("=", 1)[0]
+        if OmegaConf.select(cfg, key, default="__missing__") == "__missing__" and not _inside_params(key):
+            raise ConfigError(f"bad override {item!r}: no config key '{key}' (see --print-config)")
+    try:
+        if overrides:
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+        if seed is not None:
+            cfg.seed = seed
+    except OmegaConfBaseException as exc:
+        raise _omegaconf_error(exc, "override") from None
+    except ValueError as exc:
+        raise ConfigError(f"bad override: {exc}") from None
+    typed: CentralConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    _check(bool(typed.method), f"{path}: 'method' must name a centralised method")
+    _check(typed.seed >= 0, f"seed must be >= 0, got {typed.seed}")
+    return typed
 
 
 def load_config(

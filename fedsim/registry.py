@@ -28,7 +28,7 @@ from fedsim.errors import ConfigError
 T = TypeVar("T")
 
 #: Packages whose import registers the built-in components (imported by name, never directly).
-PLUGIN_PACKAGES: tuple[str, ...] = ("envs", "fedsim.models", "clients", "privacy", "strategies")
+PLUGIN_PACKAGES: tuple[str, ...] = ("envs", "fedsim.models", "clients", "privacy", "strategies", "central")
 
 
 @dataclass(frozen=True)
@@ -114,6 +114,7 @@ LEARNERS: Registry[Any] = Registry("learner")
 DATASETS: Registry[Any] = Registry("dataset")
 MODELS: Registry[Any] = Registry("model")
 PARTITIONERS: Registry[Any] = Registry("partitioner")
+CENTRAL: Registry[Any] = Registry("centralised method")
 
 _loaded = False
 

@@ -116,14 +116,23 @@ def label_of(setting: dict[str, Any]) -> str:
     return ", ".join(fmt(k, v) for k, v in setting.items())
 
 
-def build_config(spec: ClaimSpec, setting: dict[str, Any], seed: int) -> C.ExperimentConfig:
+def build_config(spec: ClaimSpec, setting: dict[str, Any], seed: int) -> Any:
+    """The config of one (setting, seed): an ExperimentConfig, or a CentralConfig for the centralised track."""
     overrides = list(spec.overrides)
     eps = setting.get(EPS_KEY, "absent")
     for key, value in setting.items():
         if isinstance(value, dict):
             overrides += [f"{key}.{k}={v}" for k, v in C.flatten(value).items()]
         elif key != EPS_KEY:
-            overrides.append(f"{key}={value}")
+            overrides.append(f"{key}={_dotlist_value(value)}")
+    if C.is_central(spec.experiment):
+        if eps != "absent":
+            raise ConfigError(f"claim grid key 'eps' applies to federated experiments, not {spec.experiment!r}")
+        cfg_central = C.load_central_config(spec.experiment, overrides, seed)
+        from central.base import method_params
+
+        method_params(cfg_central)
+        return cfg_central
     cfg = C.load_config(spec.experiment, overrides, {"seed": seed})
     if eps != "absent":
         if eps is None or (isinstance(eps, float) and math.isinf(eps)):
@@ -132,6 +141,23 @@ def build_config(spec: ClaimSpec, setting: dict[str, Any], seed: int) -> C.Exper
             cfg.privacy.enabled, cfg.privacy.epsilon, cfg.privacy.noise_multiplier = True, float(eps), None
     C.validate(cfg)
     return cfg
+
+
+def _dotlist_value(value: Any) -> str:
+    """A grid value as OmegaConf dotlist text (lists keep their brackets)."""
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_dotlist_value(v) for v in value) + "]"
+    return str(value)
+
+
+def _default_runner(cfg: Any) -> Callable[..., Any]:
+    if isinstance(cfg, C.CentralConfig):
+        from central.base import run_central
+
+        return run_central
+    from fedsim.runner import run_experiment
+
+    return run_experiment
 
 
 def best_moving_average(values: list[float], k: int) -> float:
@@ -155,12 +181,11 @@ def run_claim(
     ``resume_parent`` continues an interrupted claim check: children that finished are read back
     from MLflow, a child with a checkpoint is resumed, the others are run.
     """
-    from fedsim.runner import run_experiment
     from fedsim.tracking import MlflowRecorder, git_commit
 
-    run_one = run_one or run_experiment
     grid = settings(spec)
     configs = [(s, seed, build_config(spec, s, seed)) for s in grid for seed in spec.seeds]  # validate all first
+    run_one = run_one or _default_runner(configs[0][2])
     tracking = configs[0][2].tracking
     parent = None
     params = {"claim": name, "base_experiment": spec.experiment, "seeds": len(spec.seeds),
@@ -189,7 +214,7 @@ def run_claim(
                 continue
             on_progress(f"[{i}/{len(configs)}] {res.label}, seed {seed}")
             kwargs: dict[str, Any] = {}
-            if previous is not None and _has_checkpoint(cfg, previous.info.run_id):
+            if previous is not None and isinstance(cfg, C.ExperimentConfig) and _has_checkpoint(cfg, previous.info.run_id):
                 kwargs["resume_run_id"] = previous.info.run_id
                 on_progress(f"    resuming run {previous.info.run_id} from its checkpoint")
             try:

@@ -1,0 +1,244 @@
+"""The centralised track's conventions: one registered method per module, one runner for all.
+
+A method is a function registered in :data:`fedsim.registry.CENTRAL` with a typed params dataclass::
+
+    @dataclass
+    class WatermarkParams:
+        tokens: list[int] = field(default_factory=lambda: [25, 50, 100])
+
+    @CENTRAL.register("watermark", params=WatermarkParams, summary="HeavyWater/SimplexWater ...")
+    def run_watermark(ctx: CentralContext) -> dict[str, float]:
+        ...                                  # ctx.params is a WatermarkParams
+        ctx.log_metrics({"tpr/simplex": 0.93}, step=100)
+        ctx.log_table(rows, "tpr_vs_tokens")  # CSV + Markdown artifacts
+        ctx.log_figure(fig, "tpr_vs_tokens")  # plots/tpr_vs_tokens.png
+        return {"tpr_at_1pct_fpr/simplex": 0.93}   # the headline metrics
+
+and an experiment file ``experiments/<name>.yaml`` with a top-level ``method:`` key, its ``params``
+and a ``seed``.  ``fedsim run <name>`` runs it through :func:`run_central` (one MLflow run: the
+config as params and ``config.yaml``, every logged metric, tables and plots, the headline metrics,
+``FINISHED``/``FAILED``/``KILLED`` like the federated runs); ``fedsim reproduce <name>`` runs a
+claim spec whose ``experiment`` is a centralised one (grid over ``params.*`` keys × seeds) as one
+MLflow parent run with nested children, exactly as for federated experiments.
+
+Randomness comes from ``ctx.seed(stream)`` / ``ctx.generator(stream)`` / ``ctx.rng(stream)``, derived
+from the root seed, so the same seed gives the same metrics.  Shared kits (LM, image, metrics) live
+in ``central/lm``, ``central/image``, ... and are imported by the methods, never copied.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+
+from fedsim import config as C
+from fedsim.engine.history import History, RoundRecord
+from fedsim.errors import ConfigError
+from fedsim.logs import quiet_third_party
+from fedsim.registry import CENTRAL
+from fedsim.seeding import derive_seed
+
+
+@dataclass
+class CentralSummary:
+    """The outcome of a centralised run (``history`` has one record per logged step)."""
+
+    metrics: dict[str, float]
+    history: History
+    wall_seconds: float
+    run_id: str | None
+    tracking_uri: str | None
+    tables: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+
+
+class _Progress:
+    """A rich progress bar (or nothing, when quiet); ``advance`` moves it on."""
+
+    def __init__(self, total: int, description: str, enabled: bool) -> None:
+        self._bar = None
+        if enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), transient=True)
+            self._task = self._bar.add_task(description, total=total)
+
+    def __enter__(self) -> "_Progress":
+        if self._bar is not None:
+            self._bar.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+    def advance(self, n: int = 1) -> None:
+        if self._bar is not None:
+            self._bar.advance(self._task, n)
+
+
+class CentralContext:
+    """What a centralised method gets: typed params, seeds, and the MLflow logging helpers."""
+
+    def __init__(self, cfg: C.CentralConfig, params: Any, recorder: Any, artifact_dir: Path, show_progress: bool) -> None:
+        self.cfg = cfg
+        self.params = params
+        self._recorder = recorder
+        self.artifact_dir = artifact_dir
+        self.show_progress = show_progress
+        self.history = History()
+        self.tables: dict[str, list[dict[str, Any]]] = {}
+        self._by_step: dict[int, RoundRecord] = {}
+
+    # -- randomness ------------------------------------------------------------------------------
+    def seed(self, *stream: str | int) -> int:
+        return derive_seed(self.cfg.seed, self.cfg.method, *stream)
+
+    def generator(self, *stream: str | int) -> torch.Generator:
+        return torch.Generator().manual_seed(self.seed(*stream))
+
+    def rng(self, *stream: str | int) -> np.random.Generator:
+        return np.random.default_rng(self.seed(*stream))
+
+    # -- logging -----------------------------------------------------------------------------------
+    def log_metrics(self, metrics: dict[str, float], step: int = 0) -> None:
+        metrics = {k: float(v) for k, v in metrics.items()}
+        record = self._by_step.get(step)
+        if record is None:
+            record = self._by_step[step] = RoundRecord(step)
+            self.history.records.append(record)
+            self.history.records.sort(key=lambda r: r.round)
+        record.metrics.update(metrics)
+        if self._recorder is not None:
+            self._recorder.log_metrics(metrics, step=step)
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        if self._recorder is not None:
+            self._recorder.log_params(params)
+
+    def log_artifact(self, path: Path, subdir: str | None = None) -> None:
+        if self._recorder is not None:
+            self._recorder.log_artifact(path, subdir)
+
+    def log_figure(self, fig: Any, name: str) -> Path:
+        """Save a matplotlib figure as ``plots/<name>.png`` (and close it)."""
+        import matplotlib.pyplot as plt
+
+        path = self.artifact_dir / f"{name}.png"
+        fig.savefig(path, dpi=120, bbox_inches="tight")
+        plt.close(fig)
+        self.log_artifact(path, "plots")
+        return path
+
+    def log_table(self, rows: list[dict[str, Any]], name: str) -> None:
+        """Log rows as ``tables/<name>.csv`` and ``tables/<name>.md``."""
+        self.tables[name] = rows
+        if not rows:
+            return
+        cols = list(dict.fromkeys(k for row in rows for k in row))
+        with (self.artifact_dir / f"{name}.csv").open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=cols)
+            writer.writeheader()
+            writer.writerows(rows)
+        md = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        md += ["| " + " | ".join(_fmt(row.get(c, "")) for c in cols) + " |" for row in rows]
+        (self.artifact_dir / f"{name}.md").write_text("\n".join(md) + "\n")
+        self.log_artifact(self.artifact_dir / f"{name}.csv", "tables")
+        self.log_artifact(self.artifact_dir / f"{name}.md", "tables")
+
+    def progress(self, total: int, description: str) -> _Progress:
+        return _Progress(total, description, self.show_progress)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+class _Terminated(BaseException):
+    pass
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    def on_term(signum: int, frame: Any) -> None:
+        raise _Terminated()
+
+    try:
+        previous = signal.signal(signal.SIGTERM, on_term)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def method_params(cfg: C.CentralConfig) -> Any:
+    """The method's typed params (a one-line ConfigError for an unknown method or a bad key)."""
+    return CENTRAL.params(cfg.method, cfg.params, "params")
+
+
+def run_central(
+    cfg: C.CentralConfig,
+    *,
+    tracking_uri: str | None = None,
+    parent_run_id: str | None = None,
+    run_name: str | None = None,
+    show_progress: bool = False,
+) -> CentralSummary:
+    """Run one centralised experiment end to end (params checked before any MLflow run exists)."""
+    import tempfile
+
+    quiet_third_party(False)
+    params = method_params(cfg)
+    method: Callable[[CentralContext], dict[str, float]] = CENTRAL.get(cfg.method)
+    check = getattr(method, "check", None)
+    if check is not None:  # method-specific value checks, before anything is recorded
+        check(params)
+    recorder = None
+    if cfg.tracking.enabled:
+        from fedsim.tracking import MlflowRecorder, git_commit
+
+        tags = {"experiment": cfg.name, "method": cfg.method, "kind": "central", "seed": str(cfg.seed),
+                "git_commit": git_commit()}
+        if parent_run_id:
+            tags["mlflow.parentRunId"] = parent_run_id
+        recorder = MlflowRecorder(tracking_uri or cfg.tracking.uri, cfg.tracking.experiment,
+                                  run_name=run_name or f"{cfg.name}-seed{cfg.seed}", tags=tags)
+    artifact_dir = recorder.artifact_dir if recorder else Path(tempfile.mkdtemp(prefix="fedsim-central-"))
+    ctx = CentralContext(cfg, params, recorder, artifact_dir, show_progress)
+    status, start = "FAILED", time.perf_counter()
+    try:
+        with _sigterm_as_interrupt():
+            if recorder is not None:
+                recorder.log_params(C.flatten(C.to_container(cfg)))
+                recorder.log_text(C.to_yaml(cfg), "config.yaml")
+            headline = method(ctx)
+            last = max((r.round for r in ctx.history.records), default=0)
+            ctx.log_metrics(headline, step=last)
+            wall = time.perf_counter() - start
+            if recorder is not None:
+                recorder.log_metrics({"run/wall_seconds": wall}, step=last)
+        status = "FINISHED"
+    except (KeyboardInterrupt, _Terminated):
+        status = "KILLED"
+        raise KeyboardInterrupt() from None
+    finally:
+        if recorder is not None:
+            recorder.finish(status)
+    return CentralSummary({k: float(v) for k, v in headline.items()}, ctx.history, wall,
+                          recorder.run_id if recorder else None, recorder.uri if recorder else None, ctx.tables)
+
+
+__all__ = ["CentralContext", "CentralSummary", "run_central", "method_params", "ConfigError"]
