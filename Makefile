@@ -32,6 +32,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_svd_refactor.py
+	$(BIN)/python benchmarks/bench_engine.py --quick
 
 clean:
 	rm -rf $(VENV) mlflow.db mlruns mlartifacts .pytest_cache

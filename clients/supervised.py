@@ -45,7 +45,7 @@ from fedsim.config import ExperimentConfig
 from fedsim.errors import ConfigError
 from fedsim.models import build_model
 from fedsim.registry import LEARNERS
-from fedsim.seeding import derive_seed
+from fedsim.seeding import derive_seed, seed_torch
 from privacy.accounting import epsilon_for
 from privacy.dp_sgd import private_local_training
 from privacy.ledger import CLIENT_EPSILON, NOISE, SAMPLE_RATE, STEPS
@@ -233,7 +233,7 @@ class SupervisedLearner(Learner):
 
     # -- Learner API --------------------------------------------------------------------------
     def init_arrays(self) -> StateDict:
-        torch.manual_seed(derive_seed(self.cfg.seed, "model-init"))
+        seed_torch(derive_seed(self.cfg.seed, "model-init"))
         model = self._build_model()
         state = model.state_dict()
         keys = model.federated_keys(include_base=True) if hasattr(model, "federated_keys") else list(state)
@@ -248,7 +248,7 @@ class SupervisedLearner(Learner):
                         if PROXIMAL_MU in ctx.config else None)
         transformed = apply_transforms(model, ctx.config)
         model.train()
-        torch.manual_seed(ctx.seed("torch"))  # dropout and any other global-RNG use
+        seed_torch(ctx.seed("torch"))  # dropout and any other global-RNG use
         optimizer = make_optimizer(model, self.cfg)
         if self.sample_level_dp:
             mean_loss, steps, extra = self._train_private(model, x, y, ctx, optimizer)

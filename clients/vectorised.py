@@ -58,6 +58,7 @@ from torch.nn.modules.dropout import _DropoutNd
 
 from clients.base import Learner, NodeContext, StateDict, TrainResult
 from clients.supervised import PROXIMAL_MU, SupervisedLearner, make_optimizer, num_local_steps
+from fedsim.seeding import seed_torch
 from clients.transforms import TRANSFORM_KEY, apply_transforms
 
 #: Methods a learner must inherit unchanged from SupervisedLearner for the result to be the same.
@@ -347,5 +348,5 @@ def train_cohort(learner: SupervisedLearner, arrays_list: list[StateDict], ctxs:
     done = [r for r in results if r is not None]
     # leave the learner as sequential training would: the last client's model and seeded global RNG
     learner.model.load_state_dict(done[-1].arrays)
-    torch.manual_seed(ctxs[-1].seed("torch"))
+    seed_torch(ctxs[-1].seed("torch"))
     return done

@@ -7,7 +7,7 @@ the trained weights are cached as safetensors under ``<cache>/tinylm/<hash>.safe
 JSON card (train/held-out loss, parameter count, seconds), so a spec trains once per machine.
 
 Presets: ``target`` (~6M parameters, 4096-token BPE; a few minutes on 2 CPU cores), ``drafter``
-(~0.6M parameters, 512-token BPE: a *different* vocabulary) and ``test`` (seconds, for tests).
+(~0.27M parameters, 512-token BPE: a *different* vocabulary) and ``test`` (seconds, for tests).
 """
 
 from __future__ import annotations

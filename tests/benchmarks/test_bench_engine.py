@@ -1,0 +1,100 @@
+"""benchmarks/bench_engine.py: the smallest runs, checking the rows and that the systems do the same work."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    name = "bench_engine"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "bench_engine.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # needed to ship its functions to Ray workers by value
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+@pytest.fixture
+def tiny() -> str:
+    """An 8-client tiny-MLP workload (the real ones take longer than a test should)."""
+    return "mlp-8"
+
+
+def test_in_process_systems_rows_and_same_work(bench, tiny, tmp_path) -> None:
+    report = bench.run_benchmark([tiny], ["raw", "local", "vectorise"], rounds=2)
+    rows = {r.system: r for r in report.rows}
+    assert list(rows) == ["raw", "local", "vectorise"]
+    assert report.rounds == 2 and report.cpu_count
+    raw, local = rows["raw"], rows["local"]
+    for r in (raw, local):
+        assert r.available and r.total_s > 0 and 0 < r.rounds_s <= r.total_s and r.later_round_s > 0
+        assert 0.0 <= r.accuracy <= 1.0
+    # the raw loop does exactly fedsim's work: the same final global model, hence the same accuracy
+    assert local.max_weight_diff == 0.0 and local.accuracy == raw.accuracy
+    assert local.fedsim_over_raw == pytest.approx(local.total_s / raw.total_s)
+    assert local.flower_over_fedsim is None  # stock Flower not run
+    vec = rows["vectorise"]  # measured once the vectorised path exists, n/a (with a reason) before
+    assert vec.available or vec.note.startswith("n/a (")
+    if vec.available:
+        assert vec.max_weight_diff is not None and vec.max_weight_diff < 1e-5
+    bench.print_report(report)
+    out = tmp_path / "rows.csv"
+    bench.write_csv(report, out)
+    with open(out) as fh:
+        written = list(csv.DictReader(fh))
+    assert [w["system"] for w in written] == ["raw", "local", "vectorise"]
+    assert float(written[1]["fedsim_over_raw"]) == pytest.approx(local.fedsim_over_raw)
+
+
+def test_a_failing_system_is_reported_not_raised(bench, tiny, monkeypatch) -> None:
+    def broken(cfg):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(bench, "run_raw", broken)
+    report = bench.run_benchmark([tiny], ["raw", "local"], rounds=1)
+    raw, local = report.rows
+    assert not raw.available and raw.note == "n/a (RuntimeError: boom)"
+    assert local.available and local.fedsim_over_raw is None
+
+
+def test_workload_names(bench) -> None:
+    assert bench.get_workload("mlp-1000") == bench.WORKLOADS["mlp-1000"]
+    assert bench.get_workload("cnn-7").num_clients == 7
+    with pytest.raises(ValueError, match="unknown workload"):
+        bench.get_workload("rnn-5")
+    report = bench.run_benchmark(["cnn-9999"], ["raw", "local"], rounds=1)  # more clients than MNIST images
+    assert [r.available for r in report.rows] == [False, False]
+    assert all("num_clients=9999" in r.note for r in report.rows)
+
+
+def test_targets(bench) -> None:
+    rows = [bench.Row("mlp-100", "raw", 1.0), bench.Row("mlp-100", "local", 1.20, fedsim_over_raw=1.20),
+            bench.Row("mlp-100", "vectorise", 0.5, fedsim_over_raw=0.5),
+            bench.Row("mlp-100", "ray", 3.0, fedsim_over_raw=3.0),
+            bench.Row("mlp-1000", "local", 10.0, flower_over_fedsim=12.0),
+            bench.Row("mlp-1000", "vectorise", note="n/a (not built)")]
+    got = {t[0]: (t[1], t[2]) for t in bench.targets(rows)}
+    # the overhead target is the sequential local engine's; the best engine is named beside it
+    assert got["mlp-100: fedsim local/raw <= 1.10"] == ("1.20 (best: fedsim local+vectorise 0.50)", "NOT met")
+    assert got["mlp-1000: flower/fedsim >= 10"] == ("12.0 (fedsim local)", "met")
+    assert got["mlp-1000: vectorised >= 3x local"] == ("n/a", "not measured")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_stock_flower_does_the_same_work(bench, tiny) -> None:
+    report = bench.run_benchmark([tiny], ["raw", "flower"], rounds=1)
+    raw, stock = report.rows
+    assert stock.available, stock.note
+    # Flower aggregates in arrival order, so only float rounding may differ from raw
+    assert stock.max_weight_diff < 1e-5
+    assert stock.accuracy == pytest.approx(raw.accuracy, abs=0.02)
