@@ -153,6 +153,27 @@ def _maybe_fail(cfg: C.ExperimentConfig, partition_id: int, server_round: int, a
                                      f"{partition_id}, round {server_round}")
 
 
+_decode_lock = threading.Lock()
+_last_decoded: tuple[Any, dict[str, torch.Tensor]] | None = None
+
+
+def _decoded(record: ArrayRecord) -> dict[str, torch.Tensor]:
+    """``record.to_torch_state_dict()``, decoded once per record object.
+
+    Strategies send one ArrayRecord object to every client of a round; in-process engines would
+    otherwise decode the same bytes once per client.  Learners only read the tensors (they copy them
+    into their model), so sharing the decoded dict is safe.
+    """
+    global _last_decoded
+    with _decode_lock:
+        if _last_decoded is not None and _last_decoded[0] is record:
+            return _last_decoded[1]
+    state = record.to_torch_state_dict()
+    with _decode_lock:
+        _last_decoded = (record, state)
+    return state
+
+
 def train_reply(msg: Message, result: Any) -> Message:
     """The reply of a ``train`` message from a learner's :class:`~clients.base.TrainResult`."""
     metrics = MetricRecord({**result.metrics, NUM_EXAMPLES: result.num_examples, UNIT_WEIGHT: 1})
@@ -179,7 +200,7 @@ def build_client_app(spec: RunSpec) -> ClientApp:
         if method == "train":
             _maybe_fail(cfg, ctx.partition_id, ctx.server_round, int(ctx.config.get(ATTEMPT, 0)))
         with torch_threads(cfg.engine.threads_per_client):
-            return getattr(get_learner(spec), method)(msg.content["arrays"].to_torch_state_dict(), ctx)
+            return getattr(get_learner(spec), method)(_decoded(msg.content["arrays"]), ctx)
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
