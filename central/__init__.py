@@ -1,1 +1,2 @@
 
+from central import watermark  # noqa: F401
