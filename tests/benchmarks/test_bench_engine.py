@@ -87,14 +87,3 @@ def test_targets(bench) -> None:
     assert got["mlp-100: fedsim local/raw <= 1.10"] == ("1.20 (best: fedsim local+vectorise 0.50)", "NOT met")
     assert got["mlp-1000: flower/fedsim >= 10"] == ("12.0 (fedsim local)", "met")
     assert got["mlp-1000: vectorised >= 3x local"] == ("n/a", "not measured")
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_stock_flower_does_the_same_work(bench, tiny) -> None:
-    report = bench.run_benchmark([tiny], ["raw", "flower"], rounds=1)
-    raw, stock = report.rows
-    assert stock.available, stock.note
-    # Flower aggregates in arrival order, so only float rounding may differ from raw
-    assert stock.max_weight_diff < 1e-5
-    assert stock.accuracy == pytest.approx(raw.accuracy, abs=0.02)
