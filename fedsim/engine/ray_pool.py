@@ -22,8 +22,9 @@ How it differs from Flower's simulation (``engine.name=flower``):
   (``"timeout: no reply within 5.0s"``), its actor is killed and replaced, and the calls queued
   behind it go to other actors.  A dying actor is replaced the same way; its call becomes an error
   reply.  ``send_and_receive`` never waits past its ``timeout`` (the round's): the calls still out
-  then get timeout replies, queued ones are cancelled and running ones finish with their reply
-  dropped (a slow round does not kill healthy actors).  Client exceptions become error replies
+  then get timeout replies; they still run on their actors and their replies are dropped (a slow
+  round does not kill healthy actors, and Ray's actor-task cancellation, which can stall a queue, is
+  never used).  Client exceptions become error replies
   (code 2), as in every engine.
 
 A cluster: ``engine.ray.address=auto`` (or ``ray://host:port``, or ``$RAY_ADDRESS``) joins a running
@@ -487,18 +488,13 @@ class RayActorGrid(Grid):
     def _expire_all(self, ids: list[str], timeout: float | None) -> None:
         """The round deadline passed: each outstanding call of ``ids`` gets a timeout reply.
 
-        A call still queued is cancelled; a running one is left to finish (its reply is dropped), still
-        under the client limit, so a healthy actor is not killed for a slow round.
+        The calls stay on their actors and run to the end (their replies are dropped), still under the
+        client limit, so a healthy actor is not killed for a slow round. They are not ``ray.cancel``-ed:
+        cancelling a queued actor task can stall the calls behind it for good (ray-project/ray#60850,
+        #60910; seen here with Ray 2.55 as a healthy actor that stopped answering).
         """
-        import ray
-
         for call in [self._pending[i] for i in ids if i in self._pending]:
             self._reply(call, error_reply(call.msg, f"timeout: no reply within the round timeout {timeout:.1f}s"))
-            actor = self.actors[call.actor]
-            if not (actor.queue and actor.queue[0] is call and actor.warm_ref is None):
-                with contextlib.suppress(Exception):
-                    ray.cancel(call.ref)
-                self._dequeue(call)
 
     def _wait_for(self, ids: list[str], deadline: float | None, timeout: float | None) -> None:
         while any(i in self._pending for i in ids):

@@ -147,7 +147,8 @@ def test_dead_and_hung_actors_become_error_replies_and_are_replaced(local_ray) -
     from fedsim.engine.server import run_server
 
     seed, hung = _seed_with_one_hang(0.25)
-    spec = RunSpec.from_config(digits(f"seed={seed}", "engine.faults.hang_fraction=0.25", "engine.client_timeout_s=5"))
+    # a roomy client limit: a loaded CI machine must not time out the healthy calls
+    spec = RunSpec.from_config(digits(f"seed={seed}", "engine.faults.hang_fraction=0.25", "engine.client_timeout_s=20"))
     grid = R.RayActorGrid(spec)
     history = History()
     try:
@@ -174,11 +175,11 @@ def test_dead_and_hung_actors_become_error_replies_and_are_replaced(local_ray) -
             late = query_all(timeout=0.0)
             assert [r.error.reason for r in late] == ["timeout: no reply within the round timeout 0.0s"] * 4
             assert grid.replaced == 2
-            assert not any(r.has_error() for r in query_all())
+            assert [r.error.reason for r in query_all() if r.has_error()] == []
     finally:
         grid.close()
     r1, r2 = history.records[1:]
     assert (r1.clients_ok, r1.clients_failed) == (3, 1)
-    assert r1.failures == [f"train: partition {hung}: timeout: no reply within 5.0s"]
-    assert r1.seconds < 5 + 20  # the client deadline (+ a loaded machine), not the 3600 s hang
+    assert r1.failures == [f"train: partition {hung}: timeout: no reply within 20.0s"]
+    assert r1.seconds < 20 + 40  # the client deadline (+ a loaded machine), not the 3600 s hang
     assert (r2.clients_ok, r2.clients_failed) == (4, 0)  # the run went on
