@@ -1,2 +1,3 @@
 
+from central import paretoq  # noqa: F401
 from central import watermark  # noqa: F401

@@ -100,23 +100,43 @@ def mean_loss(model: LlamaForCausalLM, ids: torch.Tensor, seq_len: int = 128, ma
     return float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1)))
 
 
-def train(model: LlamaForCausalLM, spec: TinyLMSpec, ids: torch.Tensor,
-          on_step: Callable[[int, float], None] | None = None) -> list[float]:
-    """AdamW with linear warm-up and cosine decay on random windows; returns the loss per step."""
-    gen = torch.Generator().manual_seed(spec.seed + 1)
-    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=0.1)
+@dataclass(frozen=True)
+class Recipe:
+    """An AdamW recipe: linear warm-up over ``warmup`` steps, then cosine decay to ``final_lr_ratio``·lr."""
 
-    def lr_at(step: int) -> float:
-        if step < spec.warmup:
-            return (step + 1) / spec.warmup
-        t = (step - spec.warmup) / max(1, spec.steps - spec.warmup)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
+    lr: float
+    warmup: int = 0
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    final_lr_ratio: float = 0.1
 
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    def lr_factor(self, step: int, steps: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        t = (step - self.warmup) / max(1, steps - self.warmup)
+        return self.final_lr_ratio + (1 - self.final_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+
+
+def pretrain_recipe(spec: TinyLMSpec) -> Recipe:
+    """The kit's pre-training recipe for ``spec``: AdamW(0.9, 0.95), wd 0.1, warm-up, cosine to 10%."""
+    return Recipe(spec.lr, spec.warmup, 0.1, (0.9, 0.95), 0.1)
+
+
+def train_steps(model: LlamaForCausalLM, ids: torch.Tensor, recipe: Recipe, steps: int, batch_size: int,
+                seq_len: int, gen: torch.Generator, param_groups: list[dict] | None = None,
+                on_step: Callable[[int, float], None] | None = None) -> list[float]:
+    """``steps`` AdamW steps of next-token loss on random windows of ``ids`` (grad-norm clip 1.0).
+
+    ``param_groups`` (default: every parameter at the recipe's weight decay) lets a caller exempt
+    some parameters from weight decay.  Returns the training loss per step; leaves the model in eval mode.
+    """
+    groups = param_groups if param_groups is not None else [{"params": list(model.parameters())}]
+    opt = torch.optim.AdamW(groups, lr=recipe.lr, betas=recipe.betas, weight_decay=recipe.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: recipe.lr_factor(step, steps))
     model.train()
     losses = []
-    for step in range(spec.steps):
-        batch = _windows(ids, spec.batch_size, spec.seq_len, gen)
+    for step in range(steps):
+        batch = _windows(ids, batch_size, seq_len, gen)
         logits = model(input_ids=batch[:, :-1], use_cache=False).logits
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
@@ -129,6 +149,14 @@ def train(model: LlamaForCausalLM, spec: TinyLMSpec, ids: torch.Tensor,
             on_step(step, losses[-1])
     model.eval()
     return losses
+
+
+def train(model: LlamaForCausalLM, spec: TinyLMSpec, ids: torch.Tensor,
+          on_step: Callable[[int, float], None] | None = None) -> list[float]:
+    """Pre-train ``model`` with ``spec``'s recipe (:func:`pretrain_recipe`); returns the loss per step."""
+    gen = torch.Generator().manual_seed(spec.seed + 1)
+    return train_steps(model, ids, pretrain_recipe(spec), spec.steps, spec.batch_size, spec.seq_len, gen,
+                       on_step=on_step)
 
 
 def load_or_train(spec: TinyLMSpec, on_step: Callable[[int, float], None] | None = None) -> tuple[LlamaForCausalLM, dict]:
