@@ -1,3 +1,4 @@
 
 from central import paretoq  # noqa: F401
+from central import omnidraft  # noqa: F401
 from central import watermark  # noqa: F401
