@@ -1,4 +1,5 @@
 
 from central import paretoq  # noqa: F401
 from central import omnidraft  # noqa: F401
+from central import lrqk  # noqa: F401
 from central import watermark  # noqa: F401
