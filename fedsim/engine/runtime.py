@@ -16,6 +16,7 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedsim import config as C
+from fedsim.engine.arrays import resident_record
 from fedsim.errors import ConfigError
 from fedsim.registry import LEARNERS
 from fedsim.seeding import derive_seed
@@ -177,7 +178,7 @@ def _decoded(record: ArrayRecord) -> dict[str, torch.Tensor]:
 def train_reply(msg: Message, result: Any) -> Message:
     """The reply of a ``train`` message from a learner's :class:`~clients.base.TrainResult`."""
     metrics = MetricRecord({**result.metrics, NUM_EXAMPLES: result.num_examples, UNIT_WEIGHT: 1})
-    return Message(RecordDict({"arrays": ArrayRecord(result.arrays), "metrics": metrics}), reply_to=msg)
+    return Message(RecordDict({"arrays": resident_record(result.arrays), "metrics": metrics}), reply_to=msg)
 
 
 def evaluate_reply(msg: Message, result: Any) -> Message:

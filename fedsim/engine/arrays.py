@@ -1,0 +1,79 @@
+"""Flower ``Array`` values that stay NumPy arrays until something needs their bytes.
+
+Flower's ``Array`` serialises at construction (``np.save`` into ``data``) and ``numpy()`` parses
+the bytes again (``np.load``).  Across a process boundary that is the wire format; inside one
+process (the local engine, or the reply an actor hands to Ray's own serialiser) it is pure
+overhead paid twice per client and array: once when a client replies, once when the strategy
+aggregates.  :class:`ResidentArray` keeps the array instead: ``numpy()`` returns a fresh copy (the
+same contract as ``np.load``: the caller owns it), and ``data`` is produced on first access (Flower's
+message layer, ``object_id``, a checkpoint), byte for byte what ``Array(ndarray)`` would hold, so a
+strategy, Flower's runtime or a checkpoint cannot tell the two apart.
+"""
+
+from __future__ import annotations
+
+from io import BytesIO
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord
+from flwr.common.constant import SType
+
+_MAIN_FIELDS = ("dtype", "shape", "stype", "data")
+
+
+class ResidentArray(Array):
+    """An ``Array`` holding its NumPy value; serialised lazily, exactly as ``Array(ndarray)``.
+
+    Its ``__qualname__`` is ``"Array"``: Flower's object headers name the class, and a receiver must
+    inflate it as a plain ``Array``.
+    """
+
+    __qualname__ = "Array"
+
+    def __init__(self, ndarray: np.ndarray) -> None:  # noqa: D107  (Flower's __init__ would serialise now)
+        self.__dict__.update(dtype=str(ndarray.dtype), shape=tuple(ndarray.shape), stype=SType.NUMPY,
+                             _ndarray=ndarray)
+
+    def __getattr__(self, name: str) -> Any:
+        # only reached when normal lookup fails: ``data`` before its first use
+        if name == "data" and "_ndarray" in self.__dict__:
+            buffer = BytesIO()
+            np.save(buffer, self.__dict__["_ndarray"], allow_pickle=False)
+            self.__dict__["data"] = buffer.getvalue()
+            return self.__dict__["data"]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _MAIN_FIELDS and "_ndarray" in self.__dict__:
+            _ = self.data  # materialise the bytes, then behave as a plain Array from here on
+            del self.__dict__["_ndarray"]
+        super().__setattr__(name, value)
+
+    def numpy(self) -> np.ndarray:
+        ndarray = self.__dict__.get("_ndarray")
+        return super().numpy() if ndarray is None else ndarray.copy()
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # by function, not by class name (the class calls itself "Array"); pickles without the bytes
+        ndarray = self.__dict__.get("_ndarray")
+        if ndarray is not None:
+            return _resident_array, (ndarray,)
+        return _plain_array, (self.dtype, self.shape, self.stype, self.data)
+
+
+def _resident_array(ndarray: np.ndarray) -> "ResidentArray":
+    return ResidentArray(ndarray)
+
+
+def _plain_array(dtype: str, shape: tuple[int, ...], stype: str, data: bytes) -> Array:
+    return Array(dtype=dtype, shape=shape, stype=stype, data=data)
+
+
+def resident_record(state: dict[str, torch.Tensor]) -> ArrayRecord:
+    """An ``ArrayRecord`` of :class:`ResidentArray` copies of ``state``'s tensors (key order kept)."""
+    record = ArrayRecord()  # filled item by item: ArrayRecord(dict) would copy into serialised Arrays
+    for k, v in state.items():
+        record[k] = ResidentArray(v.detach().cpu().numpy().copy())
+    return record
