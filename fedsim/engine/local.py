@@ -92,7 +92,8 @@ class InProcessGrid(Grid):
         exactly (the reason is logged once) or the batched call raises, go the sequential way.
         """
         from clients.vectorised import train_cohort, vectorise_unsupported
-        from fedsim.engine.runtime import ATTEMPT, get_learner, injected_fault, node_context, torch_threads, train_reply
+        from fedsim.engine.runtime import (ATTEMPT, _decoded, get_learner, injected_fault, node_context, torch_threads,
+                                           train_reply)
 
         spec = self.vectorise_spec
         assert spec is not None
@@ -116,7 +117,7 @@ class InProcessGrid(Grid):
             return {}
         try:
             with torch_threads(cfg.engine.threads_per_client):
-                results = train_cohort(learner, [m.content["arrays"].to_torch_state_dict() for m in msgs], ctxs,
+                results = train_cohort(learner, [_decoded(m.content["arrays"]) for m in msgs], ctxs,
                                        cfg.engine.vectorise_chunk)
         except Exception as exc:  # keep per-client failure semantics: redo them one by one
             log.warning("engine.vectorise: the batched round failed (%s); training clients one by one", exc)
