@@ -3,3 +3,4 @@ from central import paretoq  # noqa: F401
 from central import omnidraft  # noqa: F401
 from central import lrqk  # noqa: F401
 from central import watermark  # noqa: F401
+from central import pnn_ident  # noqa: F401
