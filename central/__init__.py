@@ -3,4 +3,5 @@ from central import paretoq  # noqa: F401
 from central import omnidraft  # noqa: F401
 from central import lrqk  # noqa: F401
 from central import watermark  # noqa: F401
+from central import spam_select  # noqa: F401
 from central import pnn_ident  # noqa: F401
