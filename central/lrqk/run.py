@@ -7,10 +7,9 @@ method and (r, k) setting with that method in every layer, against the full-atte
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
@@ -19,6 +18,7 @@ from central.lrqk.attend import Prefill, Replay, Shape, replay, run_prefill
 from central.lrqk.factor import INITS
 from central.lrqk.select import LRQKSelector, OracleSelector, QuestSelector, Selector, WindowSelector
 from fedsim.errors import ConfigError
+from fedsim.threads import torch_threads
 from fedsim.registry import CENTRAL
 
 MODELS = ("tiny", "smollm2", "test")
@@ -98,16 +98,6 @@ def pick_document(params: LRQKParams, encode: Callable[[str], list[int]], need: 
         raise ConfigError(f"no held-out file has {need} tokens; lower prefill_tokens or decode_steps")
     name, ids = eligible[int(rng.integers(len(eligible)))]
     return name, torch.tensor(ids[:need])
-
-
-@contextlib.contextmanager
-def torch_threads(n: int) -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 # -- settings and their metrics ------------------------------------------------------------------

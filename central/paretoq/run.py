@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 from transformers import LlamaForCausalLM
@@ -17,6 +16,7 @@ from central.lm import tiny
 from central.paretoq.quant import (BIT_WIDTHS, TERNARY, ByteCount, bits_label, block_numel, block_weights,
                                    canonical_bits, model_bytes, quantize_model, relative_change)
 from fedsim.errors import ConfigError
+from fedsim.threads import torch_threads
 from fedsim.registry import CENTRAL
 
 
@@ -421,18 +421,6 @@ def plot_weight_change(points: list[Point], p: ParetoQParams):  # noqa: ANN201
 
 
 # -- the registered method --------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def torch_threads(n: int) -> Iterator[None]:
-    """Run the block with ``n`` torch intra-op threads (0: unchanged), then restore the setting."""
-    previous = torch.get_num_threads()
-    if n > 0:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 @CENTRAL.register("paretoq", params=ParetoQParams,

@@ -6,10 +6,9 @@ The ClientApp is shipped to Ray actors by the Flower engine, so it closes over a
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
@@ -18,6 +17,7 @@ from flwr.clientapp import ClientApp
 from fedsim import config as C
 from fedsim.engine.arrays import resident_record
 from fedsim.errors import ConfigError
+from fedsim.threads import torch_threads  # noqa: F401  (re-exported: engines import it from here)
 from fedsim.registry import LEARNERS
 from fedsim.seeding import derive_seed
 
@@ -89,17 +89,6 @@ def check_learner(cfg: C.ExperimentConfig) -> None:
     if cfg.privacy.enabled and not getattr(LEARNERS.get(cfg.client.learner), "supports_dp", False):
         raise ConfigError(f"experiment {cfg.name!r} uses learner {cfg.client.learner!r}, which has no differential "
                           f"privacy, so --eps / privacy.enabled does not apply; drop it")
-
-
-@contextlib.contextmanager
-def torch_threads(n: int) -> Iterator[None]:
-    """Run a block with ``n`` intra-op threads (identical arithmetic in every engine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def node_context(msg: Message, context: Context, cfg: C.ExperimentConfig):  # -> clients.NodeContext
