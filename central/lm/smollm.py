@@ -8,10 +8,11 @@ The package is located with ``importlib.util.find_spec`` and never imported (imp
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
-from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from fedsim.errors import ConfigError
 
@@ -29,7 +30,23 @@ def smollm2_dir() -> Path:
     return directory
 
 
-@lru_cache(maxsize=1)
+@contextlib.contextmanager
+def _quiet_gguf_conversion() -> Iterator[None]:
+    """Silence transformers' GGUF de-quantisation bar (a bare tqdm that ignores its own progress-bar switch)."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is None:
+        yield
+        return
+    gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
+
+
+@functools.lru_cache(maxsize=1)
 def load_smollm2(attn_implementation: str = "eager") -> tuple[Any, Any]:
     """(model, tokenizer) of SmolLM2-135M-Instruct in float32, eval mode, offline."""
     import os
@@ -42,8 +59,9 @@ def load_smollm2(attn_implementation: str = "eager") -> tuple[Any, Any]:
 
     hf_logging.disable_progress_bar()
     directory = str(smollm2_dir())
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=GGUF_FILE)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=GGUF_FILE, dtype=torch.float32,
-                                                 attn_implementation=attn_implementation)
+    with _quiet_gguf_conversion():
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=GGUF_FILE)
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=GGUF_FILE, dtype=torch.float32,
+                                                     attn_implementation=attn_implementation)
     model.eval()
     return model, tokenizer
