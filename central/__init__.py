@@ -6,3 +6,4 @@ from central import watermark  # noqa: F401
 from central import spam_select  # noqa: F401
 from central import pnn_ident  # noqa: F401
 from central import lasq  # noqa: F401
+from central import panlut  # noqa: F401
