@@ -23,10 +23,9 @@ pixel) and ``claim/params_below_700k``.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -39,6 +38,7 @@ from central.panlut.data import RATIO, Scene, scene, training_crops
 from central.panlut.model import PanLUT, panlut_ops_per_pixel, panlut_params
 from fedsim.errors import ConfigError
 from fedsim.registry import CENTRAL
+from fedsim.threads import torch_threads
 
 LEARNED = ("panlut", "pnn")
 CLASSICAL = ("gs", "brovey")
@@ -119,16 +119,6 @@ def check(p: PanLUTParams) -> None:
 
 
 # -- helpers ---------------------------------------------------------------------------------------
-
-@contextlib.contextmanager
-def torch_threads(n: int) -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
-
 
 def to_tensor(a: np.ndarray) -> torch.Tensor:
     """H×W×C → 1×C×H×W."""
