@@ -21,6 +21,7 @@ from central.lasq.diffusion import DiffusionConfig, LasqDiffusion, n_params, pad
 from central.lasq.gamma import ChainTrace, GammaConfig, sampled_gamma
 from central.lasq.layers import enhance_with_gamma, level_regions, msrcr
 from fedsim.errors import ConfigError
+from fedsim.threads import torch_threads
 from fedsim.registry import CENTRAL
 
 METHODS = ("lasq", "lasq_layers", "pixel_gamma", "global_gamma", "supervised")
@@ -132,17 +133,6 @@ def gamma_config(p: LasqParams) -> GammaConfig:
 def diffusion_config(p: LasqParams) -> DiffusionConfig:
     return DiffusionConfig(timesteps=p.timesteps, sample_steps=p.sample_steps, levels=p.levels, width=p.width,
                            scc_weight=p.scc_weight, prediction=p.prediction)
-
-
-@contextlib.contextmanager
-def single_thread() -> Iterator[None]:
-    """torch on one thread: on a loaded 2-core machine two threads made these small convs ~10× slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 @contextlib.contextmanager
@@ -410,7 +400,7 @@ def plot_training(ctx: CentralContext) -> Any:
                           "layer-by-timestep DDPM) vs global/pixel gamma and a supervised U-Net")
 def run_lasq(ctx: CentralContext) -> dict[str, float]:
     p: LasqParams = ctx.params
-    with single_thread():
+    with torch_threads(1):
         train_names, test_names = train_test_names(p.images, p.heldout, p.split_seed)
         imgs = working_images(list(p.images), p.short_side)
         crops = training_crops({n: imgs[n] for n in train_names}, p.crop, p.crops_per_image, ctx.rng("crops"))

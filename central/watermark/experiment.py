@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from central.watermark.schemes import (Coupling, Gumbel, HeavyWater, OTScheme, RedGreen, Scheme, first_occurrences, kl,
-                                       one_thread, tv)
+                                       tv)
+from fedsim.threads import torch_threads
 
 
 def entropy(P: np.ndarray) -> np.ndarray:
@@ -141,7 +142,7 @@ def lm_streams(model: Any, prompts: torch.Tensor, steps: int, pick: Picker, temp
     n = len(prompts)
     tokens, prevs = np.empty((n, steps), np.int64), np.empty((n, steps), np.int64)
     nll, ent = np.empty((n, steps)), np.empty((n, steps))
-    with one_thread():
+    with torch_threads(1):
         _generate(model, prompts, steps, pick, temperature, batch, on_step, tokens, prevs, nll, ent)
     return Streams(tokens, prevs, {"nll": nll, "entropy": ent})
 

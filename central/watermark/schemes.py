@@ -15,15 +15,16 @@ turned into a z-score and a one-sided p-value (:meth:`Scheme.z`, :meth:`Scheme.p
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable
 
 import numpy as np
 import torch
 from scipy import stats
+
+from fedsim.threads import torch_threads
 
 SCHEMES = ("simplex", "heavy", "redgreen", "gumbel")
 
@@ -103,17 +104,6 @@ def top_p_support(P: np.ndarray, top_p: float) -> tuple[np.ndarray, np.ndarray]:
     k = int(keep.max())
     a = sorted_p[:, :k] * (np.arange(k)[None, :] < keep[:, None])
     return order[:, :k], a / a.sum(axis=1, keepdims=True)
-
-
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """Run torch on one thread (two threads on a loaded 2-core machine can be 100× slower)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def sinkhorn_batch(A: torch.Tensor, K: torch.Tensor, stop_thr: float, max_iter: int
@@ -261,7 +251,7 @@ class OTScheme(Scheme):
         idx, a = top_p_support(P, self.cfg.top_p)
         u, iters = np.zeros(a.shape), np.zeros(len(a), dtype=np.int64)
         average = np.zeros(a.shape) if with_average else None
-        with one_thread():
+        with torch_threads(1):
             for rows, union in union_chunks(idx, a, self.side_size, self.cfg.chunk_elements):
                 pos = np.minimum(np.searchsorted(union, idx[rows]), len(union) - 1)
                 on_support = a[rows] > 0
