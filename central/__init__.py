@@ -7,3 +7,4 @@ from central import spam_select  # noqa: F401
 from central import pnn_ident  # noqa: F401
 from central import lasq  # noqa: F401
 from central import panlut  # noqa: F401
+from central import deft  # noqa: F401
