@@ -1,32 +1,5 @@
-"""On-disk cache for built artefacts (tokenizers, trained models), keyed by a content hash."""
+"""The project's on-disk artefact cache (moved to :mod:`fedsim.cache`; re-exported for the centralised track)."""
 
-from __future__ import annotations
+from fedsim.cache import atomic_write_bytes, cache_dir, cached_state, key_of
 
-import hashlib
-import json
-import os
-import tempfile
-from pathlib import Path
-from typing import Any
-
-
-def cache_dir() -> Path:
-    """``$FEDSIM_CACHE`` or ``~/.cache/fedsim`` (created on first use)."""
-    path = Path(os.environ.get("FEDSIM_CACHE") or Path.home() / ".cache" / "fedsim")
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def key_of(*parts: Any) -> str:
-    """A short stable hash of JSON-able parts (dataclasses via ``vars``)."""
-    text = json.dumps([vars(p) if hasattr(p, "__dataclass_fields__") else p for p in parts], sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temporary file and ``os.replace`` (concurrent builders are safe)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+__all__ = ["atomic_write_bytes", "cache_dir", "cached_state", "key_of"]
