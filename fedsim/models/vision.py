@@ -24,6 +24,7 @@ class CNNParams:
     hidden: int = 64
     dropout: float = 0.0
     batch_norm: bool = False  # BatchNorm after each conv (made GroupNorm under DP-SGD)
+    layer_norm: bool = False  # LayerNorm over (C, H, W) after each conv, as GroupNorm(1, C) (the "ViT-like" TTA variant)
 
 
 @MODELS.register("mlp", params=MLPParams, summary="multi-layer perceptron on flattened inputs")
@@ -48,12 +49,16 @@ class SmallCNN(nn.Module):
         super().__init__()
         if len(input_shape) != 3:
             raise ConfigError(f"model 'cnn' needs image inputs (C, H, W), got shape {input_shape}; use model.name=mlp")
+        if params.batch_norm and params.layer_norm:
+            raise ConfigError("model.params: choose batch_norm or layer_norm, not both")
         c, h, w = input_shape
         blocks: list[nn.Module] = []
         for out in params.channels:
             blocks.append(nn.Conv2d(c, out, 3, padding=1))
             if params.batch_norm:
                 blocks.append(nn.BatchNorm2d(out))
+            if params.layer_norm:
+                blocks.append(nn.GroupNorm(1, out))
             blocks.append(nn.ReLU())
             if min(h, w) >= 2:
                 blocks.append(nn.MaxPool2d(2))
