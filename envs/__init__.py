@@ -2,8 +2,11 @@
 
 Importing this package registers the built-in datasets (``mnist``, ``digits``, ``synthetic``,
 ``stdlib_docs``) and partitioners (``iid``, ``dirichlet``, ``pathological``, ``shard``) in :mod:`fedsim.registry`.
+The regime streams (:mod:`envs.streams`: test-time domain streams over the corruptions of
+:mod:`envs.corruptions`, and continual-learning task streams) are plain classes.
 """
 
+from envs.corruptions import BENCHMARK_ORDER, CORRUPTIONS, corrupt
 from envs.datasets import ArrayDataset, SyntheticParams, load_digits, load_mnist, load_synthetic
 from envs.federated import (
     FederatedData,
@@ -18,10 +21,37 @@ from envs.federated import (
 )
 from envs.partition import dirichlet, iid, pathological, shard, shard_remainder
 from envs.plots import plot_label_histogram
+from envs.streams import (
+    DomainStream,
+    DomainStreamConfig,
+    StreamBatch,
+    Task,
+    TaskStream,
+    corrupted_tasks,
+    digits01,
+    mnist01,
+    mnist_normalise,
+    permuted,
+    split_classes,
+)
 from envs.text import STDLIB_FAMILIES, StdlibDocsParams, load_stdlib_docs, stdlib_docs_texts
 
 __all__ = [
     "ArrayDataset",
+    "BENCHMARK_ORDER",
+    "CORRUPTIONS",
+    "DomainStream",
+    "DomainStreamConfig",
+    "StreamBatch",
+    "Task",
+    "TaskStream",
+    "corrupt",
+    "corrupted_tasks",
+    "digits01",
+    "mnist01",
+    "mnist_normalise",
+    "permuted",
+    "split_classes",
     "STDLIB_FAMILIES",
     "StdlibDocsParams",
     "FederatedData",
