@@ -1,4 +1,5 @@
 """Node-side learners (plain PyTorch), wrapped into Flower ClientApps by the engine."""
 
 from clients import supervised  # noqa: F401  (registers the "supervised" learner)
+from clients import tta_learner  # noqa: F401  (registers the "tta" learner)
 from clients.base import EvalResult, Learner, NodeContext, StateDict, TrainResult  # noqa: F401

@@ -22,13 +22,16 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 from flwr.app import RecordDict
 
 from fedsim.config import ExperimentConfig
 from fedsim.seeding import derive_seed
+
+if TYPE_CHECKING:
+    from fedsim.engine.history import History
 
 StateDict = dict[str, torch.Tensor]
 
@@ -102,3 +105,12 @@ class Learner(ABC):
     def setup_summary(self) -> dict[str, float]:
         """Scalar facts about the setup (dataset sizes ...) to log as params."""
         return {}
+
+    def final_report(self, history: "History", out_dir: Path | None) -> tuple[dict[str, float], list[Path]]:
+        """Run-level metrics computed from the whole history (e.g. a stream's per-cycle accuracy, forgetting)
+        and plot files written under ``out_dir`` (``None`` when nothing is tracked: write no files).
+
+        The runner adds the metrics to the last round's record (so they show in the summary and in
+        claim checks) and logs both to MLflow.
+        """
+        return {}, []

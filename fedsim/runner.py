@@ -147,8 +147,15 @@ def run_experiment(
                 recorder.set_tag("fedsim.resumed_from_round", str(resume.round))
         server_kwargs = {"checkpoint_dir": checkpoint_dir, "resume": resume} if checkpoint_dir or resume else {}
         result = _engine(cfg.engine.name)(spec, all_observers, **server_kwargs)
+        report, report_files = learner.final_report(history, recorder.artifact_dir if recorder else None)
+        if report and history.records:
+            history.records[-1].metrics.update(report)
         wall = time.perf_counter() - start
         if recorder is not None:
+            if report:
+                recorder.log_metrics(report, step=history.records[-1].round if history.records else cfg.rounds)
+            for path in report_files:
+                recorder.log_artifact(path, "plots")
             _log_outputs(recorder, cfg, history, result, wall)
             if ledger is not None:
                 recorder.log_artifact(ledger.write_csv(recorder.artifact_dir / "privacy_ledger.csv"))

@@ -18,13 +18,17 @@ class MLPParams:
     dropout: float = 0.0
 
 
+NORMS = ("none", "batch", "layer")
+
+
 @dataclass
 class CNNParams:
     channels: list[int] = field(default_factory=lambda: [16, 32])
     hidden: int = 64
     dropout: float = 0.0
-    batch_norm: bool = False  # BatchNorm after each conv (made GroupNorm under DP-SGD)
-    layer_norm: bool = False  # LayerNorm over (C, H, W) after each conv, as GroupNorm(1, C) (the "ViT-like" TTA variant)
+    # after each conv: "none", "batch" (BatchNorm; made GroupNorm under DP-SGD) or "layer" (LayerNorm over
+    # (C, H, W) as GroupNorm(1, C): per-example, the "ViT-like" source model of the test-time regimes)
+    norm: str = "none"
 
 
 @MODELS.register("mlp", params=MLPParams, summary="multi-layer perceptron on flattened inputs")
@@ -49,15 +53,15 @@ class SmallCNN(nn.Module):
         super().__init__()
         if len(input_shape) != 3:
             raise ConfigError(f"model 'cnn' needs image inputs (C, H, W), got shape {input_shape}; use model.name=mlp")
-        if params.batch_norm and params.layer_norm:
-            raise ConfigError("model.params: choose batch_norm or layer_norm, not both")
+        if params.norm not in NORMS:
+            raise ConfigError(f"model.params.norm must be one of {list(NORMS)}, got {params.norm!r}")
         c, h, w = input_shape
         blocks: list[nn.Module] = []
         for out in params.channels:
             blocks.append(nn.Conv2d(c, out, 3, padding=1))
-            if params.batch_norm:
+            if params.norm == "batch":
                 blocks.append(nn.BatchNorm2d(out))
-            if params.layer_norm:
+            elif params.norm == "layer":
                 blocks.append(nn.GroupNorm(1, out))
             blocks.append(nn.ReLU())
             if min(h, w) >= 2:

@@ -132,7 +132,7 @@ class OtherLoss(SupervisedLearner):
 
 @pytest.mark.parametrize("overrides, needle", [
     (["privacy.enabled=true", "privacy.noise_multiplier=1.0"], "DP"),
-    ([*CNN[:1], "model.params={channels: [4], hidden: 8, batch_norm: true}"], "BatchNorm"),
+    ([*CNN[:1], "model.params={channels: [4], hidden: 8, norm: batch}"], "BatchNorm"),
     ([*MLP[:1], "model.params={hidden: [8], dropout: 0.2}"], "dropout"),
 ])
 def test_unsupported_cohorts_say_why(overrides: list[str], needle: str) -> None:

@@ -131,14 +131,14 @@ def test_fedsvd_without_refactor_and_dp_equals_ffa_lora() -> None:
 def test_batchnorm_becomes_groupnorm_under_dp_and_is_logged(caplog) -> None:
     from torch import nn
 
-    cfg = cfg_of("fedavg", "data.name=digits", "data.partition.name=iid", "model.params.batch_norm=true",
+    cfg = cfg_of("fedavg", "data.name=digits", "data.partition.name=iid", "model.params.norm=batch",
                  "client.local_steps=2", "privacy.enabled=true", "privacy.epsilon=5.0", rounds=1, clients=2)
     with caplog.at_level("WARNING", logger="fedsim"):
         summary = run_experiment(cfg)
     assert any("BatchNorm2d" in m and "GroupNorm" in m for m in caplog.messages)
     assert not any(k.endswith("running_mean") for k in summary.final_arrays)  # no BatchNorm left
     assert summary.history.final()["privacy/epsilon_max"] <= 5.0
-    plain = get_learner(RunSpec.from_config(cfg_of("fedavg", "data.name=digits", "model.params.batch_norm=true")))
+    plain = get_learner(RunSpec.from_config(cfg_of("fedavg", "data.name=digits", "model.params.norm=batch")))
     assert any(isinstance(m, nn.BatchNorm2d) for m in plain.model.modules())  # without DP it stays BatchNorm
 
 

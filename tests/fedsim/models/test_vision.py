@@ -16,13 +16,13 @@ def _norms(model: nn.Module) -> list[type]:
 
 def test_norm_options_insert_one_norm_per_conv() -> None:
     plain = build_model("cnn", {"channels": [4, 8]}, (1, 28, 28), 10)
-    bn = build_model("cnn", {"channels": [4, 8], "batch_norm": True}, (1, 28, 28), 10)
-    ln = build_model("cnn", {"channels": [4, 8], "layer_norm": True}, (1, 28, 28), 10)
+    bn = build_model("cnn", {"channels": [4, 8], "norm": "batch"}, (1, 28, 28), 10)
+    ln = build_model("cnn", {"channels": [4, 8], "norm": "layer"}, (1, 28, 28), 10)
     assert _norms(plain) == [] and _norms(bn) == [nn.BatchNorm2d] * 2 and _norms(ln) == [nn.GroupNorm] * 2
 
 
 def test_layer_norm_variant_normalises_each_example_over_c_h_w() -> None:
-    ln = build_model("cnn", {"channels": [4], "layer_norm": True}, (1, 8, 8), 3)
+    ln = build_model("cnn", {"channels": [4], "norm": "layer"}, (1, 8, 8), 3)
     conv, norm = ln.features[0], ln.features[1]
     x = torch.randn(2, 1, 8, 8)
     h = conv(x)
@@ -32,6 +32,6 @@ def test_layer_norm_variant_normalises_each_example_over_c_h_w() -> None:
     assert torch.allclose(ln(x)[:1], ln(x[:1]), atol=1e-6)
 
 
-def test_batch_and_layer_norm_together_is_a_config_error() -> None:
-    with pytest.raises(ConfigError, match="batch_norm or layer_norm"):
-        build_model("cnn", {"batch_norm": True, "layer_norm": True}, (1, 28, 28), 10)
+def test_unknown_norm_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="norm must be one of"):
+        build_model("cnn", {"norm": "instance"}, (1, 28, 28), 10)

@@ -1,0 +1,293 @@
+"""Test-time adaptation as a fedsim learner: each node adapts a source model online on its own domain stream.
+
+The regime (research notes ``continual.md`` §2, §7; the online TTA benchmark
+``mariodoebler/test-time-adaptation``): a source model trained on clean images
+(:mod:`clients.tta_source`) meets a stream of unlabeled test batches whose domain (a corruption of
+:mod:`envs.corruptions`) changes without notice, cycle after cycle (:class:`envs.streams.DomainStream`).
+A test-time method (:mod:`clients.tta`: source, BN-1, Tent, ETA/EATA, RDumb, LCoTTA) predicts each
+batch, then adapts on it; accuracy is the online accuracy of those predictions.
+
+**One round = one stream segment** (one (cycle, domain) block): in round r every node runs segment
+r − 1 of its own stream through its method and replies with
+
+* the method's *shared* state, the norm-layer affine parameters — the only parameters any of these
+  methods changes — which the strategy averages (FedAvg weighted by examples);
+* the block's counts (examples, correct predictions, predicted-class histogram) and the method's
+  diagnostics as metrics; the server keeps every node's reply per round (``client_metrics``), and
+  :meth:`TTALearner.final_report` merges them exactly into per-cycle / per-domain accuracy and
+  collapse diagnostics (:class:`fedsim.metrics.stream.StreamRecorder`).
+
+Everything else a method remembers between rounds (SGD momentum, the EMA of the mean prediction,
+LCoTTA's gradient window and batch counter, RDumb's update counter) is *node-local*: it lives in the
+node's ``context.state`` and never leaves the node, so engines that move nodes between workers
+(ray) give the same result.  Centralised = one node (the server's average of one node is that
+node's own parameters), so both run the same code.
+
+Federated variant (what is shared and why): the norm affine parameters are averaged because they
+are the whole adapted model; the gradient subspace stays local because each node's window tracks
+its own stream (its own domain order when ``client_order`` is on, and its own noise).  A
+server-tracked subspace is not implemented.  Each node holds an IID share of the clean test pool.
+
+Claim diagnostics: with ``analysis_every`` > 0, the first batch of every that-many-th segment is
+analysed before adapting (labels are known offline): per-sample gradient coherence of
+entropy-truthful vs entropy-deceptive samples and the fraction of their gradients outside LCoTTA's
+tracked subspace (:func:`clients.tta.analysis.group_report`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord
+
+from clients.base import EvalResult, Learner, NodeContext, StateDict, TrainResult
+from clients.tta import TTAMethod, build_method, make_params, norm_state
+from clients.tta.analysis import group_report
+from clients.tta_source import SourceRecipe, clean_accuracy, source_data, source_model
+from envs.corruptions import BENCHMARK_ORDER
+from envs.streams import DomainStream, DomainStreamConfig
+from fedsim.config import ExperimentConfig
+from fedsim.errors import ConfigError
+from fedsim.metrics.stream import StreamRecorder, merge_recorders
+from fedsim.registry import LEARNERS
+from fedsim.seeding import derive_seed, numpy_rng
+
+if TYPE_CHECKING:
+    from fedsim.engine.history import History
+
+log = logging.getLogger("fedsim")
+
+#: ``context.state`` record of the method's node-local state.
+STATE_KEY = "tta-method"
+#: The default domains: the TTA benchmark's corruption order (ImageNet-C's 15 without frost).
+DEFAULT_DOMAINS = list(BENCHMARK_ORDER)
+
+
+@dataclass
+class TTAParams:
+    """``client.params`` of the ``tta`` learner."""
+
+    method: str = "lcotta"  # source | bn_adapt | tent | eata | rdumb | lcotta
+    method_params: dict[str, Any] = field(default_factory=dict)  # the method's own params (clients.tta)
+    # the stream (envs.streams.DomainStreamConfig)
+    domains: list[str] = field(default_factory=lambda: list(DEFAULT_DOMAINS))
+    cycles: int = 3
+    severity: int = 5
+    batch_size: int = 64
+    setting: str = "continual"  # continual | reset_each_shift | gradual | mixed
+    images_per_domain: int | None = None
+    client_order: bool = True  # federated: each node sees the domains in its own order
+    # the source model (trained once per seed and cached)
+    source_epochs: int = 3
+    source_lr: float = 1e-3
+    test_images: int = 500  # clean pool held out for the streams (the rest trains the source)
+    # claim diagnostics
+    analysis_every: int = 0  # analyse the first batch of every k-th segment (0 = off)
+
+
+@LEARNERS.register("tta", params=TTAParams, summary="test-time adaptation on a corruption domain stream "
+                                                    "(source, bn_adapt, tent, eata, rdumb, lcotta)")
+class TTALearner(Learner):
+    """Online test-time adaptation of a cached source model; one stream segment per round."""
+
+    def __init__(self, cfg: ExperimentConfig, params: TTAParams) -> None:
+        super().__init__(cfg, params)
+        self._method: TTAMethod | None = None
+        self._streams: dict[int, DomainStream] = {}
+
+    # -- set-up -----------------------------------------------------------------------------------
+    @property
+    def recipe(self) -> SourceRecipe:
+        p = self.params
+        return SourceRecipe(self.cfg.data.name, self.cfg.model.name, dict(self.cfg.model.params), p.source_epochs,
+                            p.source_lr, 64, p.test_images, 0, derive_seed(self.cfg.seed, "tta-source") % 2**31)
+
+    @property
+    def data(self):
+        return source_data(self.cfg.data.name, self.params.test_images, 0)
+
+    def stream_config(self) -> DomainStreamConfig:
+        p = self.params
+        return DomainStreamConfig(list(p.domains), p.cycles, p.severity, p.batch_size, p.setting, p.images_per_domain)
+
+    def client_rows(self, partition_id: int) -> np.ndarray:
+        """The node's IID share of the clean test pool (seeded by the run seed)."""
+        rows = self.data.test_rows
+        perm = numpy_rng(self.cfg.seed, "tta-clients").permutation(len(rows))
+        return np.sort(rows[np.array_split(perm, self.cfg.num_clients)[partition_id]])
+
+    def stream(self, partition_id: int) -> DomainStream:
+        if partition_id not in self._streams:
+            data, federated = self.data, self.cfg.num_clients > 1
+            order = derive_seed(self.cfg.seed, "tta-order", partition_id) if federated and self.params.client_order else None
+            self._streams[partition_id] = DomainStream(
+                data.images, data.labels, self.stream_config(), seed=derive_seed(self.cfg.seed, "tta-stream", partition_id),
+                order_seed=order, indices=self.client_rows(partition_id), normalise=data.normalise)
+        return self._streams[partition_id]
+
+    @property
+    def method(self) -> TTAMethod:
+        if self._method is None:
+            model, _ = source_model(self.recipe)
+            self._method = build_method(self.params.method, model, self.data.num_classes, dict(self.params.method_params))
+        return self._method
+
+    def preflight(self) -> None:
+        p = self.params
+        make_params(p.method, dict(p.method_params))
+        if p.analysis_every < 0:
+            raise ConfigError(f"client.params.analysis_every must be >= 0, got {p.analysis_every}")
+        if self.cfg.num_clients > p.test_images // 2:
+            raise ConfigError(f"{self.cfg.num_clients} clients cannot share {p.test_images} test images; "
+                              f"lower num_clients or raise client.params.test_images")
+        segments = self.stream(0).num_segments
+        if self.cfg.rounds > segments:
+            raise ConfigError(f"rounds={self.cfg.rounds} exceeds the stream's {segments} segments "
+                              f"({p.cycles} cycles x {self.stream(0).segments_per_cycle}); set rounds={segments} "
+                              f"or raise client.params.cycles")
+        if self.cfg.strategy.fraction_train < 1.0:
+            log.warning("tta: fraction_train=%s, so unsampled nodes skip their stream segment that round",
+                        self.cfg.strategy.fraction_train)
+        self.method  # builds (or loads) the source model now, before any run starts
+
+    def local_work(self, partition_id: int) -> float:
+        return float(self.stream(partition_id).batches_per_segment)
+
+    # -- Learner API --------------------------------------------------------------------------------
+    def init_arrays(self) -> StateDict:
+        """The source model's norm affine parameters (from a fresh copy: the resident method may have adapted)."""
+        return {k: v.detach().clone() for k, v in norm_state(source_model(self.recipe)[0]).items()}
+
+    def _load(self, arrays: StateDict, ctx: NodeContext | None) -> TTAMethod:
+        method = self.method
+        method.load_shared_state(arrays)
+        local = ctx.state[STATE_KEY].to_torch_state_dict() if ctx is not None and STATE_KEY in ctx.state else {}
+        method.load_state_dict(local)
+        return method
+
+    def train(self, arrays: StateDict, ctx: NodeContext) -> TrainResult:
+        method = self._load(arrays, ctx)
+        stream = self.stream(ctx.partition_id)
+        segment = ctx.server_round - 1
+        batches = stream.segment(segment)
+        recorder = StreamRecorder(self.data.num_classes)
+        infos: list[dict[str, float]] = []
+        analysis: dict[str, float] = {}
+        every = self.params.analysis_every
+        for i, batch in enumerate(batches):
+            if batch.reset:
+                method.reset()
+            x, y = torch.from_numpy(batch.x), torch.from_numpy(batch.y)
+            if i == 0 and every and segment % every == 0:
+                analysis = self._analyse(method, x, y)
+            logits = method.forward_and_adapt(x)
+            recorder.record(batch.cycle, batch.domain, logits.detach().argmax(1), y)
+            infos.append(dict(method.last_info))
+        ctx.state[STATE_KEY] = ArrayRecord({k: v.detach().cpu() for k, v in method.state_dict().items()})
+        block = recorder.total()
+        metrics = {"acc": block.accuracy, "block/n": float(block.n), "block/correct": float(block.correct),
+                   "distinct": float(block.distinct), "marginal_entropy": block.entropy(),
+                   **{f"block/hist/{k}": float(c) for k, c in enumerate(block.hist)},
+                   **_mean_info(infos), **analysis}
+        shared = {k: v.detach().clone() for k, v in method.shared_state().items()}
+        return TrainResult(shared, num_examples=block.n, metrics=metrics)
+
+    def _analyse(self, method: TTAMethod, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+        """ET/ED gradient coherence (and out-of-subspace fractions, once LCoTTA tracks a subspace)."""
+        if not method.param_list or len(y) < 2:
+            return {}
+        e0 = getattr(method, "e_margin", 0.4 * math.log(self.data.num_classes))
+        window = getattr(method, "window", None)
+        rank = getattr(method.params, "rank", None)
+        subspace = method.subspace()[0] if window is not None and rank and len(window) >= rank else None
+        report = group_report(method.model, x, y, e0, subspace=subspace)
+        return {f"analysis/{k}": float(v) for k, v in report.items() if math.isfinite(v)}
+
+    def evaluate(self, arrays: StateDict, ctx: NodeContext) -> EvalResult:
+        """The node's clean test share under the global norm parameters (no adaptation)."""
+        method = self._load(arrays, None)
+        data = self.data
+        rows = self.client_rows(ctx.partition_id)
+        x, y = data.scaled(rows), torch.from_numpy(data.labels[rows])
+        with torch.no_grad():
+            acc = float((method.model(x).argmax(1) == y).float().mean())
+        return EvalResult(num_examples=len(y), metrics={"clean_accuracy": acc})
+
+    def evaluate_global(self, arrays: StateDict) -> dict[str, float]:
+        """Accuracy of the global norm parameters on the clean test pool (does adaptation forget the source?)."""
+        method = self._load(arrays, None)
+        return {"clean_accuracy": clean_accuracy(method.model, self.data, self.params.batch_size)}
+
+    def setup_summary(self) -> dict[str, Any]:
+        s = self.stream(0)
+        return {"tta.pool_per_client": s.pool_size, "tta.segments": s.num_segments,
+                "tta.batches_per_segment": s.batches_per_segment, "tta.norm_dim": sum(q.numel() for q in self.method.param_list)}
+
+    # -- the run's report ---------------------------------------------------------------------------
+    def recorder_from(self, history: "History") -> StreamRecorder:
+        """Every node's block counts, placed at their (cycle, domain) and merged."""
+        per_node: dict[int, StreamRecorder] = {}
+        for record in history.records:
+            for pid, m in record.client_metrics.items():
+                if record.round < 1 or "block/n" not in m:
+                    continue
+                cycle, domain, _ = self.stream(pid).describe(record.round - 1)
+                rec = per_node.setdefault(pid, StreamRecorder(self.data.num_classes, self.params.domains))
+                hist = [m.get(f"block/hist/{k}", 0.0) for k in range(self.data.num_classes)]
+                rec.add_counts(cycle, domain, int(m["block/n"]), int(m["block/correct"]), np.asarray(hist, dtype=np.int64))
+        return merge_recorders(per_node.values()) if per_node else StreamRecorder(self.data.num_classes)
+
+    def final_report(self, history: "History", out_dir: Path | None) -> tuple[dict[str, float], list[Path]]:
+        rec = self.recorder_from(history)
+        if not rec.blocks:
+            return {}, []
+        metrics = rec.summary_metrics("tta")
+        cycles = rec.cycles
+        last = rec.cycle_counts(cycles[-1])
+        metrics.update({"tta/acc_first_cycle": rec.cycle_counts(cycles[0]).accuracy, "tta/acc_last_cycle": last.accuracy,
+                        "tta/distinct_last_cycle": float(last.distinct), "tta/entropy_last_cycle": last.entropy(True),
+                        "tta/min_block_distinct_last_cycle": float(min(r["distinct"] for r in rec.rows()
+                                                                        if r["cycle"] == cycles[-1]))})
+        metrics.update(_analysis_means(history))
+        files: list[Path] = []
+        if out_dir is not None:
+            from fedsim.metrics.plots import plot_recorder_blocks, plot_recorders, save
+
+            name = self.params.method
+            title = f"{name}: {self.cfg.data.name}, {len(self.params.domains)} domains x {self.params.cycles} cycles, " \
+                    f"{self.cfg.num_clients} node(s), seed {self.cfg.seed}"
+            files.append(save(plot_recorders({name: rec}, title=title), out_dir / "tta_cycles.png"))
+            files.append(save(plot_recorder_blocks({name: rec}, title=title), out_dir / "tta_blocks.png"))
+            table = out_dir / "tta_blocks.csv"
+            rows = rec.rows()
+            table.write_text(",".join(rows[0]) + "\n" + "\n".join(",".join(str(v) for v in r.values()) for r in rows) + "\n")
+            files.append(table)
+        return {k: float(v) for k, v in metrics.items() if math.isfinite(v)}, files
+
+
+def _mean_info(infos: list[dict[str, float]]) -> dict[str, float]:
+    """Batch-mean of each diagnostic the method reported (e.g. kept_frac, explained_var, projected)."""
+    keys = sorted({k for info in infos for k in info})
+    out = {}
+    for k in keys:
+        vals = [info[k] for info in infos if k in info and math.isfinite(info[k])]
+        if vals:
+            out[f"method/{k}"] = float(np.mean(vals))
+    return out
+
+
+def _analysis_means(history: "History") -> dict[str, float]:
+    """Run means of the ET/ED analysis over every analysed (round, node)."""
+    sums: dict[str, list[float]] = {}
+    for record in history.records:
+        for m in record.client_metrics.values():
+            for k, v in m.items():
+                if k.startswith("analysis/") and math.isfinite(v):
+                    sums.setdefault(k, []).append(v)
+    return {k.replace("analysis/", "tta/analysis/"): float(np.mean(v)) for k, v in sums.items()}
