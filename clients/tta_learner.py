@@ -201,13 +201,13 @@ class TTALearner(Learner):
     def _analyse(self, method: TTAMethod, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
         """ET/ED gradient coherence (and out-of-subspace fractions, once LCoTTA tracks a subspace)."""
         if not method.param_list or len(y) < 2:
-            return {}
+            return {f"analysis/{k}": math.nan for k in ANALYSIS_KEYS}
         e0 = getattr(method, "e_margin", 0.4 * math.log(self.data.num_classes))
         window = getattr(method, "window", None)
         rank = getattr(method.params, "rank", None)
         subspace = method.subspace()[0] if window is not None and rank and len(window) >= rank else None
         report = group_report(method.model, x, y, e0, subspace=subspace)
-        return {f"analysis/{k}": float(v) for k, v in report.items() if math.isfinite(v)}
+        return {f"analysis/{k}": float(report.get(k, math.nan)) for k in ANALYSIS_KEYS}
 
     def evaluate(self, arrays: StateDict, ctx: NodeContext) -> EvalResult:
         """The node's clean test share under the global norm parameters (no adaptation)."""
@@ -271,14 +271,21 @@ class TTALearner(Learner):
         return {k: float(v) for k, v in metrics.items() if math.isfinite(v)}, files
 
 
+#: Every diagnostic any method reports (``TTAMethod.last_info``) and every ET/ED analysis value: each
+#: node replies with all of them (NaN where it has none), since Flower aggregates only replies whose
+#: metrics share one key set.
+INFO_KEYS = ("loss", "entropy", "kept_frac", "reliable_frac", "updated", "reset", "window", "projected",
+             "explained_var", "kept_grad_frac")
+ANALYSIS_KEYS = tuple(f"{stat}_{group}" for group in ("truthful", "deceptive")
+                      for stat in ("n", "coherence", "grad_norm", "out_of_subspace"))
+
+
 def _mean_info(infos: list[dict[str, float]]) -> dict[str, float]:
     """Batch-mean of each diagnostic the method reported (e.g. kept_frac, explained_var, projected)."""
-    keys = sorted({k for info in infos for k in info})
     out = {}
-    for k in keys:
+    for k in INFO_KEYS:
         vals = [info[k] for info in infos if k in info and math.isfinite(info[k])]
-        if vals:
-            out[f"method/{k}"] = float(np.mean(vals))
+        out[f"method/{k}"] = float(np.mean(vals)) if vals else math.nan
     return out
 
 

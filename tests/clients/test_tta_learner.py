@@ -66,7 +66,9 @@ def test_same_seed_same_metrics_and_the_source_method_changes_nothing() -> None:
 
 
 def test_federated_report_merges_every_nodes_blocks_exactly() -> None:
-    cfg = cfg_of("client.params.method=eata", clients=3)
+    # lcotta with analysis: nodes whose windows fill at different times still reply with one key set
+    cfg = cfg_of("client.params.method=lcotta", "client.params.method_params={rank: 2, snapshot_every: 2}",
+                 "client.params.analysis_every=2", clients=3)
     summary = run_experiment(cfg)
     learner: TTALearner = get_learner(RunSpec.from_config(cfg))
     orders = [learner.stream(pid).domain_order for pid in range(3)]
