@@ -290,11 +290,12 @@ def _mean_info(infos: list[dict[str, float]]) -> dict[str, float]:
 
 
 def _analysis_means(history: "History") -> dict[str, float]:
-    """Run means of the ET/ED analysis over every analysed (round, node)."""
+    """Run means of the ET/ED analysis and of the method's diagnostics over every (round, node) reporting them
+    (``tta/analysis/*``, ``tta/method/*``: e.g. the gradient window's explained variance, the kept fraction)."""
     sums: dict[str, list[float]] = {}
     for record in history.records:
         for m in record.client_metrics.values():
             for k, v in m.items():
-                if k.startswith("analysis/") and math.isfinite(v):
+                if k.startswith(("analysis/", "method/")) and math.isfinite(v):
                     sums.setdefault(k, []).append(v)
-    return {k.replace("analysis/", "tta/analysis/"): float(np.mean(v)) for k, v in sums.items()}
+    return {f"tta/{k}": float(np.mean(v)) for k, v in sums.items()}

@@ -94,6 +94,9 @@ def test_lcotta_window_is_node_state_that_persists_across_rounds() -> None:
     summary = run_experiment(cfg_of("client.params.method=lcotta", "client.params.method_params={snapshot_every: 2}"))
     windows = [r.client_metrics[0]["method/window"] for r in summary.history.records[1:]]
     assert windows == sorted(windows) and windows[-1] > windows[0] > 0
+    final = summary.history.final()
+    assert final["tta/method/window"] == pytest.approx(np.mean(windows))  # run means of the diagnostics
+    assert 0 < final["tta/method/explained_var"] <= 1
 
 
 def test_tracked_run_logs_report_and_plots(tracking_uri) -> None:
