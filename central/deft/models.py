@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import functools
-import io
 from dataclasses import asdict, dataclass
 
 import torch
@@ -21,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from central.deft.data import Split
-from central.lm.cache import atomic_write_bytes, cache_dir, key_of
+from fedsim.cache import cache_dir, cached_state, key_of
 
 CNN_TARGETS = ["conv1", "conv2", "fc1"]
 MINILM_TARGETS = ["attention.self.query", "attention.self.key", "attention.self.value",
@@ -94,18 +93,17 @@ def _train_cnn(recipe: PretrainRecipe, train: Split, n_classes: int) -> tuple[Sm
 def pretrained_cnn(recipe: PretrainRecipe, train: Split, n_classes: int) -> tuple[SmallCNN, nn.Linear, bool]:
     """The old-task CNN and head of ``recipe`` (from the cache, or trained now and cached); True if cached."""
     path = cache_dir() / "deft" / f"cnn-{key_of(asdict(recipe), 'mnist-v1')}.pt"
+
+    def build() -> dict[str, dict[str, torch.Tensor]]:
+        trained_backbone, trained_head = _train_cnn(recipe, train, n_classes)
+        return {"backbone": trained_backbone.state_dict(), "head": trained_head.state_dict()}
+
+    state, cached = cached_state(path, build)
     backbone, head = SmallCNN(recipe.c1, recipe.c2, recipe.hidden), nn.Linear(recipe.hidden, n_classes)
-    if path.is_file():
-        state = torch.load(path, weights_only=True)
-        backbone.load_state_dict(state["backbone"])
-        head.load_state_dict(state["head"])
-        backbone.eval()
-        return backbone, head, True
-    backbone, head = _train_cnn(recipe, train, n_classes)
-    buf = io.BytesIO()
-    torch.save({"backbone": backbone.state_dict(), "head": head.state_dict()}, buf)
-    atomic_write_bytes(path, buf.getvalue())
-    return backbone, head, False
+    backbone.load_state_dict(state["backbone"])
+    head.load_state_dict(state["head"])
+    backbone.eval()
+    return backbone, head, cached
 
 
 # -- text: the MiniLM tail ----------------------------------------------------------------------------

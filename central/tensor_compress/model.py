@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import copy
-import io
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from central.lm.cache import atomic_write_bytes, cache_dir, key_of
+from fedsim.cache import cache_dir, cached_state, key_of
 from central.tensor_compress.als import CP, Tucker2
 from envs.datasets import MNIST_MEAN, MNIST_STD, load_mnist
 
@@ -160,17 +159,11 @@ def load_or_train(spec: ResNetSpec, x: torch.Tensor, y: torch.Tensor) -> tuple[S
     key = model_key(spec)
     if key in _MODELS:
         return copy.deepcopy(_MODELS[key]), True
-    path = cache_dir() / "tensor_compress" / f"resnet-{key}.pt"
+    state, cached = cached_state(cache_dir() / "tensor_compress" / f"resnet-{key}.pt",
+                                 lambda: train(spec, x, y).state_dict())
     model = SmallResNet(spec.width, spec.blocks)
-    cached = path.exists()
-    if cached:
-        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-        model.eval()
-    else:
-        model = train(spec, x, y)
-        buf = io.BytesIO()
-        torch.save(model.state_dict(), buf)
-        atomic_write_bytes(path, buf.getvalue())
+    model.load_state_dict(state)
+    model.eval()
     _MODELS[key] = copy.deepcopy(model)
     return model, cached
 
