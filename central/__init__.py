@@ -9,3 +9,4 @@ from central import lasq  # noqa: F401
 from central import panlut  # noqa: F401
 from central import deft  # noqa: F401
 from central import tensor_compress  # noqa: F401
+from central import clic  # noqa: F401
