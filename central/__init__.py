@@ -9,4 +9,5 @@ from central import lasq  # noqa: F401
 from central import panlut  # noqa: F401
 from central import deft  # noqa: F401
 from central import tensor_compress  # noqa: F401
+from central import combo  # noqa: F401
 from central import clic  # noqa: F401

@@ -1,0 +1,258 @@
+"""ComBo: token-grid alignment, relevance = projection norms, order equivariance, top-k, caching, the run."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from central.base import run_central
+from central.combo.backbones import (BackboneRecipe, ConvNet, _objective_head, load_or_train, rotate_batch,
+                                     token_features, token_grid)
+from central.combo.features import FeatureBank, standardise
+from central.combo.head import ComboHead, HeadRecipe, predict, top_k, train_head
+from central.combo.run import ComboParams, TaskResult, check, rank_of, summarise
+from central.combo.tasks import build_task, mnist_high_halves, place
+from fedsim import config as C
+from fedsim.cli import main
+from fedsim.errors import ConfigError
+from fedsim.threads import torch_threads
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors run fastest (and steadiest on a shared machine) on one torch thread, as in the run."""
+    with torch_threads(1):
+        yield
+
+
+RECIPE = HeadRecipe(proj_dim=4, depth=1, heads=2, mlp_ratio=2, dropout=0.1, epochs=3, batch=16, lr=3e-3,
+                    weight_decay=0.5)
+
+
+def _features(n: int = 48, seed: int = 0) -> tuple[list[str], list[list[torch.Tensor]], torch.Tensor]:
+    """Three synthetic backbones (2 layers each, 4 tokens); only backbone "b" carries the label."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, 3, (n,), generator=g)
+    feats = [[torch.randn(n, 4, d, generator=g) for d in (5, 7)] for _ in range(3)]
+    feats[1][0][:, :, 0] += 3.0 * y[:, None]  # signal in backbone "b"
+    return ["a", "b", "c"], feats, y
+
+
+# -- token grids -----------------------------------------------------------------------------------
+
+def test_token_grid_is_a_row_major_block_average() -> None:
+    fmap = torch.randn(2, 3, 8, 8)
+    tokens = token_grid(fmap, 4)
+    assert tokens.shape == (2, 16, 3)
+    i, j = 2, 1  # token 2*4+1 averages rows 4..5, cols 2..3
+    assert torch.allclose(tokens[:, i * 4 + j], fmap[:, :, 4:6, 2:4].mean(dim=(2, 3)), atol=1e-6)
+
+
+def test_every_layer_of_every_backbone_lands_on_the_same_grid() -> None:
+    torch.manual_seed(0)
+    nets = [ConvNet((4, 8, 16)), ConvNet((2, 3, 5))]
+    x = torch.randn(5, 3, 32, 32)
+    for grid in (1, 2, 4):
+        for net in nets:
+            maps = token_features(net, x, grid, batch=2)  # batching must not matter
+            assert [tuple(m.shape) for m in maps] == [(5, grid * grid, w) for w in net.widths]
+            whole = token_features(net, x, grid, batch=5)
+            assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(maps, whole))
+
+
+# -- the head --------------------------------------------------------------------------------------
+
+def test_relevance_is_the_sum_of_each_backbones_projection_norms() -> None:
+    names, feats, y = _features()
+    head = train_head(names, feats, y, 3, RECIPE, seed=1)
+    expected = torch.zeros(3)
+    for proj, (k, _) in zip(head.proj, head.slots):
+        expected[k] += proj.weight.detach().norm()
+    assert torch.allclose(head.relevance(), expected)
+    assert len(head.proj) == 6 and head.tokens(feats).shape == (len(y), 4, 6 * RECIPE.proj_dim)
+
+
+def test_relevance_is_permutation_equivariant_in_backbone_order() -> None:
+    names, feats, y = _features()
+    base = train_head(names, feats, y, 3, RECIPE, seed=5)
+    for perm in ([2, 0, 1], [1, 2, 0], [2, 1, 0]):
+        head = train_head([names[i] for i in perm], [feats[i] for i in perm], y, 3, RECIPE, seed=5)
+        assert torch.equal(head.relevance(), base.relevance()[perm])
+        assert torch.equal(predict(head, [feats[i] for i in perm]), predict(base, feats))
+    other = train_head(names, feats, y, 3, RECIPE, seed=6)
+    assert not torch.equal(other.relevance(), base.relevance())  # the seed matters, the order does not
+
+
+def test_projections_are_seeded_by_backbone_identity() -> None:
+    names, feats, _ = _features()
+    dims = [[5, 7]] * 3
+    full = ComboHead(names, dims, 4, 3, RECIPE, seed=3)
+    kept = ComboHead(["c", "a"], dims[:2], 4, 3, RECIPE, seed=3)  # a top-2 retrain starts from the same maps
+    by_name = {(names[k], layer): p.weight for p, (k, layer) in zip(full.proj, full.slots)}
+    for p, (k, layer) in zip(kept.proj, kept.slots):
+        assert torch.equal(p.weight, by_name[(["c", "a"][k], layer)])
+
+
+def test_the_informative_backbone_gets_the_largest_relevance() -> None:
+    names, feats, y = _features(n=96)
+    recipe = HeadRecipe(proj_dim=4, heads=2, epochs=15, batch=32, lr=3e-3, weight_decay=1.0)
+    head = train_head(names, feats, y, 3, recipe, seed=0)
+    assert top_k(names, head.relevance(), 1) == ["b"]
+    assert float((predict(head, feats) == y).float().mean()) > 0.9
+
+
+def test_top_k_picks_the_k_highest_scores_with_stable_ties() -> None:
+    names = ["w", "x", "y", "z"]
+    assert top_k(names, torch.tensor([0.5, 2.0, 1.0, 3.0]), 2) == ["z", "x"]
+    assert top_k(names, torch.tensor([1.0, 2.0, 2.0, 0.0]), 3) == ["x", "y", "w"]
+    assert top_k(names, torch.tensor([1.0, 2.0, 2.0, 0.0]), 4) == ["x", "y", "w", "z"]
+
+
+# -- features and caching --------------------------------------------------------------------------
+
+def test_standardise_uses_training_statistics() -> None:
+    g = torch.Generator().manual_seed(0)
+    train, test = 3 + 2 * torch.randn(40, 4, 3, generator=g), torch.randn(10, 4, 3, generator=g)
+    train[..., 2] = 0.0  # a dead ReLU channel
+    tr, te = standardise(train, test)
+    flat = tr.reshape(-1, 3)
+    assert torch.allclose(flat[:, :2].mean(0), torch.zeros(2), atol=1e-5)
+    assert torch.allclose(flat[:, :2].std(0), torch.ones(2), atol=1e-5)
+    assert torch.equal(tr[..., 2], torch.zeros(40, 4)) and torch.isfinite(te).all()
+
+
+def test_feature_bank_extracts_once_and_caching_does_not_change_results() -> None:
+    torch.manual_seed(0)
+    nets = {"p": ConvNet((4, 8, 16)), "q": ConvNet((4, 8, 16))}
+    task = build_task("shapes", 32, 16, 0, 1)
+    bank = FeatureBank(nets, 2)
+    first = bank.features(task)
+    again = bank.features(task, ["q", "p"])
+    assert bank.extractions == 2  # one pass per (task, backbone), however often it is asked
+    assert all(a is b for a, b in zip(first.train[0], again.train[1]))
+    fresh = []  # recomputed from the images without the bank
+    for name in ("p", "q"):
+        maps = token_features(nets[name], torch.cat([task.x_train, task.x_test]), 2)
+        fresh.append([standardise(m[:32], m[32:]) for m in maps])
+    recipe = HeadRecipe(proj_dim=4, heads=2, epochs=2, batch=8)
+    cached = train_head(["p", "q"], first.train, task.y_train, 4, recipe, seed=2)
+    direct = train_head(["p", "q"], [[t for t, _ in f] for f in fresh], task.y_train, 4, recipe, seed=2)
+    assert torch.equal(cached.relevance(), direct.relevance())
+    assert torch.equal(predict(cached, first.test), predict(direct, [[t for _, t in f] for f in fresh]))
+    bank.drop(task.name)
+    bank.features(task)
+    assert bank.extractions == 4
+
+
+def test_backbones_are_cached_on_disk_by_recipe(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("FEDSIM_CACHE", str(tmp_path))
+    recipe = BackboneRecipe("supervised", widths=(2, 4, 8), images=32, epochs=1, batch=16, seed=3)
+    net, info = load_or_train(recipe)
+    again, info2 = load_or_train(recipe)
+    assert info["cached"] == 0.0 and info2["cached"] == 1.0
+    assert all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), again.state_dict().values()))
+    assert len(list((tmp_path / "combo").glob("supervised-*.pt"))) == 1
+    rand, rinfo = load_or_train(BackboneRecipe("random", widths=(2, 4, 8), seed=3))
+    assert rinfo["cached"] == 0.0 and not any((tmp_path / "combo").glob("random-*"))
+    assert not torch.equal(net.convs[0].weight, rand.convs[0].weight)  # same seed, same init: training moved it
+
+
+def test_objective_heads_fit_the_backbone_and_rotation_labels_are_right() -> None:
+    torch.manual_seed(0)
+    net, x = ConvNet((2, 4, 8)), torch.randn(6, 3, 32, 32)
+    last = net.layers(x)[-1]
+    shapes = {"supervised": (6, 5), "rotation": (6, 4), "autoencoder": (6, 3, 32, 32)}
+    for objective, shape in shapes.items():
+        assert _objective_head(BackboneRecipe(objective, widths=(2, 4, 8)))(last).shape == shape
+    rotated, k = rotate_batch(x, torch.Generator().manual_seed(1))
+    assert len(set(k.tolist())) > 1
+    for img, r, q in zip(x, rotated, k):
+        assert torch.equal(torch.rot90(r, -int(q), dims=(1, 2)), img)
+
+
+# -- tasks -----------------------------------------------------------------------------------------
+
+def test_tasks_have_fixed_test_sets_and_disjoint_digit_halves() -> None:
+    a, b = mnist_high_halves(0)
+    assert len(set(a.tolist()) & set(b.tolist())) == 0 and len(a) == len(b) == 1250
+    for name, classes in (("parity", 2), ("texture", 3), ("shapes", 4)):
+        one, two = build_task(name, 20, 12, 0, 1), build_task(name, 20, 12, 0, 2)
+        assert one.x_train.shape == (20, 3, 32, 32) and one.x_test.shape == (12, 3, 32, 32)
+        assert one.n_classes == classes and int(one.y_train.max()) < classes
+        assert torch.equal(one.x_test, two.x_test) and torch.equal(one.y_test, two.y_test)  # fixed test set
+        assert not torch.equal(one.x_train, two.x_train)  # the run seed draws the training set
+
+
+def test_place_keeps_the_digit_inside_the_canvas() -> None:
+    digit = torch.zeros(3, 28, 28)
+    digit[:, 4:24, 4:24] = 1.0
+    out = place(digit, np.random.default_rng(0), scale=(0.5, 0.5))
+    assert out.shape == (3, 3, 32, 32)
+    mass = out[:, 0].sum(dim=(1, 2))
+    assert torch.allclose(mass, mass[0].expand(3), rtol=0.05)  # same size wherever it lands
+    assert float(mass[0]) == pytest.approx(20 * 20 * 0.5 ** 2, rel=0.05)  # the box's area × s²
+
+
+# -- summaries -------------------------------------------------------------------------------------
+
+def test_rank_and_random_last_fraction() -> None:
+    assert rank_of([3.0, 1.0, 2.0], 1) == 3 and rank_of([3.0, 1.0, 3.0], 2) == 1
+    p = ComboParams(methods=["combo"], backbones=["supervised", "random"], tasks=["shapes", "texture"])
+    results = [TaskResult("shapes", {"combo": 0.8}, [2.0, 1.0]), TaskResult("texture", {"combo": 0.6}, [1.0, 3.0])]
+    m = summarise(results, p)
+    assert m["eval/random_rank_last_frac"] == 0.5 and m["eval/mean_acc"] == pytest.approx(0.7)
+    assert m["eval/relevance_rank/random"] == 1.5
+
+
+# -- the run ---------------------------------------------------------------------------------------
+
+TINY = ["params.methods=[combo,topk,single,probe,concat_probe]", "params.backbones=[supervised,random]", "params.tasks=[shapes,texture]", "params.train_per_task=40",
+        "params.test_per_task=24", "params.widths=[2,4,8]", "params.pretrain_images=48", "params.pretrain_epochs=1",
+        "params.proj_dim=4", "params.heads=2", "params.epochs=2", "params.batch=16", "params.top_k=1",
+        "params.probe_cs=[0.1]", "params.grid=2", "params.null_control=true"]
+
+
+def test_same_seed_gives_identical_metrics_and_logs_tables(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("FEDSIM_CACHE", str(tmp_path))
+    cfg = C.load_central_config("combo", TINY)
+    cfg.tracking.enabled = False
+    first, second = run_central(cfg), run_central(cfg)
+    assert first.metrics == second.metrics
+    m = first.metrics
+    for key in ("eval/combo_mean_acc", "eval/topk_mean_acc", "eval/best_probe_mean_acc", "eval/concat_probe_mean_acc",
+                "eval/random_rank_last_frac", "eval/oracle_probe_mean_acc", "eval/null_relevance_spread"):
+        assert key in m and 0.0 <= m[key] <= 1.0
+    assert m["eval/mean_acc"] == m["eval/combo_mean_acc"]
+    assert m["eval/best_single_combo_mean_acc"] == max(m["eval/single_combo_mean_acc/supervised"],
+                                                       m["eval/single_combo_mean_acc/random"])
+    assert m["eval/best_probe_mean_acc"] <= m["eval/oracle_probe_mean_acc"]
+    assert [r["task"] for r in first.tables["accuracy"]] == ["shapes", "texture", "mean"]
+    assert len(first.tables["relevance"]) == 2 and len(first.tables["probes"]) == 2 * 3
+    assert all(r["kept"] in ("supervised", "random") for r in first.tables["relevance"])
+    other = run_central(C.load_central_config("combo", TINY, seed=1))
+    assert other.metrics != first.metrics
+
+
+@pytest.mark.parametrize("bad", [
+    {"methods": []}, {"methods": ["combo", "lora"]}, {"backbones": ["supervised", "supervised"]},
+    {"backbones": ["clip"]}, {"methods": ["single", "single"]}, {"tasks": ["cifar"]}, {"train_per_task": 5}, {"train_per_task": 900},
+    {"test_per_task": 0}, {"grid": 5}, {"grid": 0}, {"top_k": 0}, {"top_k": 5}, {"heads": 5}, {"epochs": 0},
+    {"lr": 0.0}, {"weight_decay": -1.0}, {"dropout": 1.0}, {"probe_layer": "first"}, {"probe_cs": [0.0]},
+    {"val_frac": 0.9}, {"widths": [4, 8]}, {"pretrain_images": 3000}, {"proj_init": 0.0},
+])
+def test_bad_params_give_a_one_line_config_error(bad: dict) -> None:
+    with pytest.raises(ConfigError) as err:
+        check(ComboParams(**bad))
+    assert "\n" not in str(err.value)
+
+
+def test_default_params_pass_the_check() -> None:
+    check(ComboParams())
+    cfg = C.load_central_config("combo")
+    check(ComboParams(**cfg.params))
+
+
+def test_cli_rejects_bad_params_in_one_line(capsys) -> None:
+    assert main(["run", "combo", "params.top_k=7", "--no-tracking"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "top_k" in err[0]
