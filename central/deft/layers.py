@@ -17,6 +17,7 @@ bias, stride, padding and dilation:
 from __future__ import annotations
 
 import math
+from abc import ABCMeta, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -67,7 +68,7 @@ def lora_weight(w: torch.Tensor, b: torch.Tensor, a: torch.Tensor, scaling: floa
     return w + scaling * (b @ a)
 
 
-class _Adapted(nn.Module):
+class _Adapted(nn.Module, metaclass=ABCMeta):
     """A frozen Linear/Conv2d whose weight matrix is replaced by :meth:`adapted` at every call."""
 
     def __init__(self, base: nn.Module) -> None:
@@ -81,8 +82,9 @@ class _Adapted(nn.Module):
             p.requires_grad_(False)
         self.out_dim, self.in_dim = as_matrix(base.weight).shape
 
-    def adapted(self, w: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abstractmethod
+    def adapted(self, w: torch.Tensor) -> torch.Tensor:
+        """W′ from the frozen weight matrix W (out × in)."""
 
     def weight(self) -> torch.Tensor:
         """The adapted weight in the base layer's shape."""
