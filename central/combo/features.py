@@ -5,12 +5,14 @@ No method backpropagates through a backbone: each backbone runs once over a task
 read the same cached tensors.  Each (backbone, layer) map is standardised channel-wise with the mean
 and standard deviation of the task's *training* features (over examples and tokens), so the random
 backbone and the trained ones enter the heads on the same scale — otherwise the norm of a backbone's
-projection would measure its feature scale, not its relevance.
+projection would measure its feature scale, not its relevance.  The bank runs the image CNNs itself;
+the text setting hands it an ``extract(name, inputs)`` callable (:class:`central.combo.text.TextExtractor`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -50,23 +52,29 @@ def standardise(train: torch.Tensor, test: torch.Tensor, rel_eps: float = 1e-3) 
 class FeatureBank:
     """Extracts each (task, backbone) once and hands out the cached, standardised token grids."""
 
-    def __init__(self, backbones: dict[str, ConvNet], grid: int, batch: int = 500) -> None:
+    def __init__(self, backbones: dict[str, Any], grid: int, batch: int = 500,
+                 extract: Callable[[str, torch.Tensor], LayerMaps] | None = None) -> None:
+        """``backbones``: name -> :class:`ConvNet`, or anything when ``extract(name, inputs)`` gives the maps."""
         self.backbones = backbones
         self.grid = grid
         self.batch = batch
+        self.extract = extract or self._conv_maps
         self.extractions = 0  # backbone forward passes over a task (each (task, backbone) at most once)
         self._cache: dict[tuple[str, str], tuple[LayerMaps, LayerMaps]] = {}
 
     def _maps(self, task: TaskData, name: str) -> tuple[LayerMaps, LayerMaps]:
         key = (task.name, name)
         if key not in self._cache:
-            net = self.backbones[name]
-            both = token_features(net, torch.cat([task.x_train, task.x_test]), self.grid, self.batch)
+            both = self.extract(name, torch.cat([task.x_train, task.x_test]))
             n = len(task.x_train)
             pairs = [standardise(m[:n], m[n:]) for m in both]
             self._cache[key] = ([p[0] for p in pairs], [p[1] for p in pairs])
             self.extractions += 1
         return self._cache[key]
+
+    def _conv_maps(self, name: str, x: torch.Tensor) -> LayerMaps:
+        net: ConvNet = self.backbones[name]
+        return token_features(net, x, self.grid, self.batch)
 
     def features(self, task: TaskData, names: list[str] | None = None) -> TaskFeatures:
         names = list(self.backbones) if names is None else list(names)

@@ -8,13 +8,18 @@ backbone, (ii) ComBo retrained on the ``top_k`` most relevant backbones (selecti
 the last layer only), (iv) a linear probe of all backbones' layers concatenated, and optionally
 (``single``) (v) ComBo on each backbone alone — the probes differ from ComBo in the head as well as in
 the number of backbones, and this separates the two.
+
+``setting=text`` swaps the backbones and tasks for the text ones (:mod:`central.combo.text`,
+:mod:`central.combo.text_tasks`: the pretrained MiniLM-L6, a random-init MiniLM, a bag of embeddings;
+three ``stdlib_docs`` tasks); the head, relevance, top-k, probes and summaries are the same code.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -27,6 +32,8 @@ from central.combo.head import HeadRecipe, predict, top_k, train_head
 from central.combo.plots import accuracy_bars, relevance_heatmap
 from central.combo.probes import ProbeRecipe, flatten, select_and_fit
 from central.combo.tasks import POOL_SIZE, SIZE, TASKS, TaskData, build_task
+from central.combo.text import CONTROL, LAYER_COUNT, TEXT_BACKBONES, TextExtractor
+from central.combo.text_tasks import TEXT_POOL_SIZE, TEXT_TASKS
 from fedsim.errors import ConfigError
 from fedsim.registry import CENTRAL
 from fedsim.threads import torch_threads
@@ -35,17 +42,22 @@ METHODS = ("combo", "topk", "single", "probe", "concat_probe")
 DEFAULT_METHODS = ("combo", "topk", "probe", "concat_probe")
 PROBE_LAYERS = ("best", "last")
 MNIST_LOW = 2500  # MNIST digits 0–4 available for pretraining
+SETTINGS = ("vision", "text")
+MAX_POSITIONS = 512  # MiniLM's position embeddings
 
 
 @dataclass
 class ComboParams:
+    setting: str = "vision"  # vision (small CNNs, mini-VTAB) | text (MiniLM, stdlib_docs tasks)
     methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))  # the first gives eval/mean_acc
-    backbones: list[str] = field(default_factory=lambda: list(OBJECTIVES))  # by objective; "random" = the control
-    tasks: list[str] = field(default_factory=lambda: list(TASKS))
+    backbones: list[str] = field(default_factory=list)  # [] = the setting's: vision OBJECTIVES, text TEXT_BACKBONES
+    tasks: list[str] = field(default_factory=list)  # [] = the setting's: vision TASKS, text TEXT_TASKS
     train_per_task: int = 300  # VTAB-1k style few-shot training sets
     test_per_task: int = 500
     data_seed: int = 0  # fixes the test sets (the run seed draws the training sets, backbones and heads)
     grid: int = 4  # common token grid: grid × grid tokens per (backbone, layer)
+    max_len: int = 32  # text: MiniLM token ids per text ([CLS]/[SEP] included)
+    text_tokens: int = 4  # text: tokens per (backbone, layer), chunks of each text's length
     top_k: int = 2  # backbones kept for selective adaptation
     null_control: bool = False  # also train ComBo on shuffled labels: the relevance spread that chance gives
     # ComBo head: one fixed recipe for every task
@@ -84,14 +96,65 @@ def _positive(p: ComboParams, *names: str, strict: bool = True) -> None:
             raise ConfigError(f"params.{name} must be {'> 0' if strict else '>= 0'}, got {value}")
 
 
+def resolve(p: ComboParams) -> ComboParams:
+    """``p`` with empty ``backbones`` / ``tasks`` replaced by the setting's defaults."""
+    text = p.setting == "text"
+    return replace(p, backbones=list(p.backbones) or list(TEXT_BACKBONES if text else OBJECTIVES),
+                   tasks=list(p.tasks) or list(TEXT_TASKS if text else TASKS))
+
+
 def check(p: ComboParams) -> None:
+    if p.setting not in SETTINGS:
+        raise ConfigError(f"params.setting must be one of {list(SETTINGS)}, got {p.setting!r}")
+    p = resolve(p)
     _distinct("methods", p.methods, METHODS)
-    _distinct("backbones", p.backbones, OBJECTIVES)
-    _distinct("tasks", p.tasks, tuple(TASKS))
     if not 20 <= p.train_per_task:
         raise ConfigError(f"params.train_per_task must be >= 20, got {p.train_per_task}")
     if p.test_per_task < 1:
         raise ConfigError(f"params.test_per_task must be >= 1, got {p.test_per_task}")
+    _positive(p, "proj_dim", "depth", "heads", "mlp_ratio", "epochs", "batch", "lr", "proj_init",
+              "pretrain_epochs", "pretrain_lr", "pretrain_images")
+    _positive(p, "weight_decay", strict=False)
+    if not 0.0 <= p.dropout < 1.0:
+        raise ConfigError(f"params.dropout must be in [0, 1), got {p.dropout}")
+    if p.probe_layer not in PROBE_LAYERS:
+        raise ConfigError(f"params.probe_layer must be one of {list(PROBE_LAYERS)}, got {p.probe_layer!r}")
+    if not p.probe_cs or min(p.probe_cs) <= 0:
+        raise ConfigError(f"params.probe_cs must be a non-empty list of values > 0, got {p.probe_cs}")
+    if not 0.0 < p.val_frac <= 0.5:
+        raise ConfigError(f"params.val_frac must be in (0, 0.5], got {p.val_frac}")
+    (check_text if p.setting == "text" else check_vision)(p)
+    if not 1 <= p.top_k <= len(p.backbones):
+        raise ConfigError(f"params.top_k must be in [1, {len(p.backbones)}] (the number of backbones), got {p.top_k}")
+
+
+def check_text(p: ComboParams) -> None:
+    """The text setting's backbones, tasks, sequence length, token grid and head widths."""
+    _distinct("backbones", p.backbones, TEXT_BACKBONES)
+    _distinct("tasks", p.tasks, tuple(TEXT_TASKS))
+    for task in p.tasks:
+        pool = TEXT_POOL_SIZE.get(task)
+        if pool is not None and p.train_per_task + p.test_per_task > pool:
+            raise ConfigError(f"params.train_per_task + params.test_per_task must be <= {pool} for task {task}, "
+                              f"got {p.train_per_task + p.test_per_task}")
+    if not 3 <= p.max_len <= MAX_POSITIONS:
+        raise ConfigError(f"params.max_len must be in [3, {MAX_POSITIONS}], got {p.max_len}")
+    if not 1 <= p.text_tokens <= p.max_len:
+        raise ConfigError(f"params.text_tokens must be in [1, params.max_len = {p.max_len}], got {p.text_tokens}")
+    sizes = {len(p.backbones), p.top_k if "topk" in p.methods else len(p.backbones), 1 if "single" in p.methods
+             else len(p.backbones)}
+    for k in sizes:
+        for subset in itertools.combinations(p.backbones, k):
+            width = p.proj_dim * sum(LAYER_COUNT[n] for n in subset)
+            if width % p.heads:
+                raise ConfigError(f"params.heads ({p.heads}) must divide the transformer width proj_dim × layers "
+                                  f"= {width} of backbones {list(subset)}")
+
+
+def check_vision(p: ComboParams) -> None:
+    """The image setting's backbones, tasks, pretraining, token grid and head widths."""
+    _distinct("backbones", p.backbones, OBJECTIVES)
+    _distinct("tasks", p.tasks, tuple(TASKS))
     for task in p.tasks:
         pool = POOL_SIZE[task]
         if pool is not None and p.train_per_task + p.test_per_task > pool:
@@ -103,23 +166,10 @@ def check(p: ComboParams) -> None:
     if not 1 <= p.grid <= smallest:
         raise ConfigError(f"params.grid must be in [1, {smallest}] (the last layer's map is {smallest}×{smallest}), "
                           f"got {p.grid}")
-    if not 1 <= p.top_k <= len(p.backbones):
-        raise ConfigError(f"params.top_k must be in [1, {len(p.backbones)}] (the number of backbones), got {p.top_k}")
-    _positive(p, "proj_dim", "depth", "heads", "mlp_ratio", "epochs", "batch", "lr", "proj_init",
-              "pretrain_epochs", "pretrain_lr", "pretrain_images")
-    _positive(p, "weight_decay", strict=False)
     for k in {len(p.backbones), p.top_k}:
         if (p.proj_dim * len(p.widths) * k) % p.heads:
             raise ConfigError(f"params.heads ({p.heads}) must divide the transformer width proj_dim × layers × "
                               f"backbones = {p.proj_dim * len(p.widths) * k}")
-    if not 0.0 <= p.dropout < 1.0:
-        raise ConfigError(f"params.dropout must be in [0, 1), got {p.dropout}")
-    if p.probe_layer not in PROBE_LAYERS:
-        raise ConfigError(f"params.probe_layer must be one of {list(PROBE_LAYERS)}, got {p.probe_layer!r}")
-    if not p.probe_cs or min(p.probe_cs) <= 0:
-        raise ConfigError(f"params.probe_cs must be a non-empty list of values > 0, got {p.probe_cs}")
-    if not 0.0 < p.val_frac <= 0.5:
-        raise ConfigError(f"params.val_frac must be in (0, 0.5], got {p.val_frac}")
     if {"supervised"} & set(p.backbones) and p.pretrain_images > MNIST_LOW:
         raise ConfigError(f"params.pretrain_images must be <= {MNIST_LOW} (MNIST digits 0–4 for the supervised "
                           f"backbone), got {p.pretrain_images}")
@@ -143,6 +193,20 @@ def load_backbones(p: ComboParams, seed: int) -> tuple[dict[str, ConvNet], list[
         rows.append({"backbone": name, "objective_score": info["score"], "cached": bool(info["cached"]),
                      "seconds": time.perf_counter() - start})
     return nets, rows
+
+
+def load_text_backbones(p: ComboParams, seed: int) -> tuple[FeatureBank, list[dict[str, Any]]]:
+    """A feature bank over the text backbones (the models load lazily, once per process), and one info row each."""
+    bank = FeatureBank(dict.fromkeys(p.backbones), p.text_tokens, extract=TextExtractor(p.text_tokens, seed))
+    rows = [{"backbone": name, "layers": LAYER_COUNT[name], "max_len": p.max_len, "tokens": p.text_tokens}
+            for name in p.backbones]
+    return bank, rows
+
+
+def make_task(p: ComboParams, name: str, train_seed: int) -> TaskData:
+    if p.setting == "text":
+        return TEXT_TASKS[name](p.train_per_task, p.test_per_task, p.max_len, p.data_seed, train_seed)
+    return build_task(name, p.train_per_task, p.test_per_task, p.data_seed, train_seed)
 
 
 # -- one task --------------------------------------------------------------------------------------
@@ -246,8 +310,9 @@ def summarise(results: list[TaskResult], p: ComboParams) -> dict[str, float]:
         out["eval/relevance_spread"] = float(np.mean([spread(r.relevance or [0.0]) for r in results]))
         if results[0].null_relevance is not None:
             out["eval/null_relevance_spread"] = float(np.mean([spread(r.null_relevance or [0.0]) for r in results]))
-        if "random" in p.backbones and len(p.backbones) > 1:
-            k = p.backbones.index("random")
+        control = CONTROL if p.setting == "text" else "random"
+        if control in p.backbones and len(p.backbones) > 1:
+            k = p.backbones.index(control)
             out["eval/random_rank_last_frac"] = float(np.mean([
                 (r.relevance or [])[k] < min(s for j, s in enumerate(r.relevance or []) if j != k) for r in results]))
     if "topk" in results[0].acc:
@@ -323,21 +388,24 @@ def bar_columns(results: list[TaskResult], p: ComboParams) -> dict[str, list[flo
 
 @CENTRAL.register("combo", params=ComboParams,
                   summary="ComBo: probe several frozen backbones at once (token-wise compression + small "
-                          "transformer), rank them by projection norm, keep the top-k; vs linear probes (mini-VTAB)")
+                          "transformer), rank them by projection norm, keep the top-k; vs linear probes "
+                          "(mini-VTAB, or text: MiniLM)")
 def run_combo(ctx: CentralContext) -> dict[str, float]:
-    p: ComboParams = ctx.params
+    p: ComboParams = resolve(ctx.params)
     timing: dict[str, float] = {}
     with torch_threads(1):
         start = time.perf_counter()
-        nets, backbone_rows = load_backbones(p, ctx.seed("pretrain"))
+        if p.setting == "text":
+            bank, backbone_rows = load_text_backbones(p, ctx.seed("pretrain"))
+        else:
+            nets, backbone_rows = load_backbones(p, ctx.seed("pretrain"))
+            bank = FeatureBank(nets, p.grid)
         timing["backbones_s"] = time.perf_counter() - start
-        bank = FeatureBank(nets, p.grid)
         results = []
         with ctx.progress(len(p.tasks), "combo: tasks") as bar:
             for task_name in p.tasks:
                 start = time.perf_counter()
-                task = build_task(task_name, p.train_per_task, p.test_per_task, p.data_seed,
-                                  ctx.seed("train_set", task_name))
+                task = make_task(p, task_name, ctx.seed("train_set", task_name))
                 feats = bank.features(task)
                 out = TaskResult(task_name)
                 if {"combo", "topk"} & set(p.methods):

@@ -256,3 +256,149 @@ def test_cli_rejects_bad_params_in_one_line(capsys) -> None:
     assert main(["run", "combo", "params.top_k=7", "--no-tracking"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "top_k" in err[0]
+
+
+# -- the text setting ------------------------------------------------------------------------------
+
+def _tiny_bert_config():
+    from transformers import BertConfig
+
+    return BertConfig(vocab_size=30522, hidden_size=16, num_hidden_layers=6, num_attention_heads=2,
+                      intermediate_size=32, max_position_embeddings=64, attn_implementation="eager")
+
+
+def _tiny_bert(seed: int):
+    from transformers import AutoModel
+
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return AutoModel.from_config(_tiny_bert_config(), attn_implementation="eager").eval()
+
+
+@pytest.fixture
+def tiny_text_models(monkeypatch):
+    """Swap MiniLM (pretrained and random) for tiny random BERTs with its vocabulary; the caches are cleared."""
+    from central.combo import text
+
+    text.clear_caches()
+    pretrained = _tiny_bert(123)
+    monkeypatch.setattr(text, "pretrained_minilm", lambda: pretrained)
+    monkeypatch.setattr(text, "minilm_config", _tiny_bert_config)
+    yield text
+    text.clear_caches()
+
+
+def _ids(n: int = 7, length: int = 12, seed: int = 0) -> torch.Tensor:
+    """Token ids with [CLS]=101 … [SEP]=102 and right padding (pad id 0); row lengths 3..length."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.zeros(n, length, dtype=torch.int64)
+    for i in range(n):
+        m = 3 + i * (length - 3) // max(1, n - 1)
+        ids[i, :m] = torch.randint(1000, 30000, (m,), generator=g)
+        ids[i, 0], ids[i, m - 1] = 101, 102
+    return ids
+
+
+def test_chunk_pool_averages_contiguous_chunks_of_each_rows_own_length() -> None:
+    from central.combo.text import chunk_pool
+
+    states = torch.arange(6, dtype=torch.float32).reshape(1, 6, 1).repeat(2, 1, 1)
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
+    out = chunk_pool(states, mask, 2)
+    assert out.shape == (2, 2, 1)
+    assert out[0, :, 0].tolist() == [1.0, 4.0]  # (0+1+2)/3, (3+4+5)/3
+    assert out[1, :, 0].tolist() == [0.5, 2.5]  # the padding (4, 5) never enters
+
+
+def test_text_features_have_token_grid_shapes_and_ignore_batch_size(tiny_text_models) -> None:
+    text = tiny_text_models
+    ids = _ids()
+    maps = text.extract("minilm", ids, 4, seed=0)
+    assert [tuple(m.shape) for m in maps] == [(7, 4, 16)] * 3
+    assert [tuple(m.shape) for m in text.extract("bag", ids, 4, seed=0)] == [(7, 4, 16)]
+    small = text.encoder_maps(text.pretrained_minilm(), ids, 4, batch=2)
+    for a, b in zip(maps, small):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    alone = text.encoder_maps(text.pretrained_minilm(), ids[3:4], 4)  # a row's features do not see its batch
+    torch.testing.assert_close(alone[1], maps[1][3:4], atol=1e-5, rtol=1e-5)
+    rand = text.extract("random_minilm", ids, 4, seed=0)
+    assert not torch.allclose(rand[-1], maps[-1])
+    torch.testing.assert_close(text.extract("random_minilm", ids, 4, seed=0)[-1], rand[-1], atol=0, rtol=0)
+    assert not torch.allclose(text.extract("random_minilm", ids, 4, seed=1)[-1], rand[-1])
+    cached = text.cached_maps("minilm", ids, 4, seed=0)
+    assert text.cached_maps("minilm", ids, 4, seed=5)[0] is cached[0]  # the pretrained model ignores the seed
+
+
+def test_code_like_labels() -> None:
+    from central.combo.text_tasks import is_code_like
+
+    assert is_code_like("Call os.path.join first.") and is_code_like("the max_len value")
+    assert is_code_like("Use `spam` here.") and is_code_like("calls getregentry() once")
+    assert not is_code_like("Return the value, e.g. the first one, i.e. the head.")
+
+
+TEXT_TINY = ["params.setting=text", "params.methods=[combo,topk,probe,concat_probe]", "params.train_per_task=40",
+             "params.test_per_task=24", "params.max_len=16", "params.text_tokens=2", "params.proj_dim=4",
+             "params.heads=2", "params.epochs=2", "params.batch=16", "params.probe_cs=[0.1]"]
+
+
+def _shape_of(key: str, names: list[str]) -> str:
+    """A metric key with its backbone and task names replaced by a placeholder."""
+    return "/".join("<name>" if part in names else part for part in key.split("/"))
+
+
+def test_text_setting_runs_with_the_same_metric_keys(tiny_text_models, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("FEDSIM_CACHE", str(tmp_path))
+    cfg = C.load_central_config("combo", TEXT_TINY)
+    cfg.tracking.enabled = False
+    res = run_central(cfg)
+    m = res.metrics
+    assert [r["task"] for r in res.tables["accuracy"]] == ["families04", "families59", "code", "mean"]
+    assert set(m) >= {f"eval/relevance_rank/{n}" for n in ("minilm", "random_minilm", "bag")}
+    assert 0.0 <= m["eval/random_rank_last_frac"] <= 1.0 and m["eval/mean_acc"] == m["eval/combo_mean_acc"]
+    shared = [o for o in TEXT_TINY[1:] if not o.startswith(("params.max_len", "params.text_tokens"))]
+    vision = C.load_central_config("combo", shared + [
+        "params.backbones=[supervised,rotation,random]", "params.tasks=[shapes,texture]", "params.widths=[2,4,8]",
+        "params.pretrain_images=48", "params.pretrain_epochs=1", "params.grid=2"])
+    vision.tracking.enabled = False
+    vm = run_central(vision).metrics
+    text_names = ["minilm", "random_minilm", "bag", "families04", "families59", "code"]
+    vision_names = ["supervised", "rotation", "random", "shapes", "texture"]
+    assert {_shape_of(k, text_names) for k in m} == {_shape_of(k, vision_names) for k in vm}
+
+
+def test_text_params_resolve_and_check() -> None:
+    from central.combo.run import resolve
+
+    assert resolve(ComboParams()).backbones == ["supervised", "rotation", "autoencoder", "random"]
+    p = resolve(ComboParams(setting="text"))
+    assert p.backbones == ["minilm", "random_minilm", "bag"] and p.tasks == ["families04", "families59", "code"]
+    check(ComboParams(setting="text"))
+    for bad in ({"setting": "audio"}, {"setting": "text", "backbones": ["supervised"]},
+                {"setting": "text", "tasks": ["digits59"]}, {"setting": "text", "text_tokens": 0},
+                {"setting": "text", "max_len": 600}, {"setting": "text", "heads": 3},
+                {"setting": "text", "train_per_task": 1900, "tasks": ["families04"]},
+                {"backbones": ["minilm"]}):
+        with pytest.raises(ConfigError) as err:
+            check(ComboParams(**bad))
+        assert "\n" not in str(err.value)
+
+
+@pytest.mark.slow
+def test_real_minilm_features_and_the_random_control() -> None:
+    from central.combo import text
+    from envs.text import tokenize_texts
+
+    text.clear_caches()
+    ids = torch.from_numpy(tokenize_texts(["Return the path joined with os.sep.", "Spawn a worker thread.",
+                                           "Parse an e-mail message from a bytes object."], 32))
+    pre = text.extract("minilm", ids, 4, seed=0)
+    assert [tuple(m.shape) for m in pre] == [(3, 4, 384)] * 3
+    assert [tuple(m.shape) for m in text.extract("bag", ids, 4, seed=0)] == [(3, 4, 384)]
+    torch.testing.assert_close(text.encoder_maps(text.pretrained_minilm(), ids, 4, batch=1)[2], pre[2],
+                               atol=1e-4, rtol=1e-4)
+    rand = text.extract("random_minilm", ids, 4, seed=0)
+    assert [tuple(m.shape) for m in rand] == [(3, 4, 384)] * 3
+    for a, b in zip(pre, rand):
+        assert (a - b).abs().mean() > 0.1 * a.abs().mean()
+    text.clear_caches()
