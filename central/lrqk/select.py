@@ -13,6 +13,8 @@ which repeats K to the query heads before factorising and selecting.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 
 from central.lrqk.factor import Factors, als_prefill, decode_update
@@ -92,7 +94,7 @@ class HitMissBuffer:
         return s
 
 
-class Selector:
+class Selector(ABC):
     """A token-selection rule; one instance serves all layers (state keyed by layer index)."""
 
     name = "base"
@@ -104,10 +106,10 @@ class Selector:
         """Set up after the exact prefill (Q: (H, P, d), K: (Hkv, P, d)); returns the initial top set."""
         return self.choose(layer, Q[:, -1:], K, groups, is_prefill=True)
 
+    @abstractmethod
     def choose(self, layer: int, q: torch.Tensor, K: torch.Tensor, groups: int,
                is_prefill: bool = False) -> torch.Tensor:
         """The top set (H, ≤ topk) among the candidates ``[0, T − window)`` for the query ``q`` (H, 1, d)."""
-        raise NotImplementedError
 
     def n_candidates(self, T: int) -> int:
         return max(T - self.window, 0)

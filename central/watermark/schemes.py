@@ -15,6 +15,8 @@ turned into a z-score and a one-sided p-value (:meth:`Scheme.z`, :meth:`Scheme.p
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -188,7 +190,7 @@ class Coupling:
 # ------------------------------------------------------------------------------------------------
 # schemes
 # ------------------------------------------------------------------------------------------------
-class Scheme:
+class Scheme(ABC):
     """Common interface: sample one token per row of ``P`` given the previous tokens; score tokens."""
 
     name = ""
@@ -196,15 +198,17 @@ class Scheme:
     def __init__(self, vocab: int, key: int, cfg: SchemeConfig) -> None:
         self.vocab, self.key, self.cfg = vocab, key, cfg
 
+    @abstractmethod
     def sample(self, P: np.ndarray, prev: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-        raise NotImplementedError
+        """One watermarked token per row of the next-token distributions ``P``."""
 
+    @abstractmethod
     def token_scores(self, tokens: np.ndarray, prev: np.ndarray) -> np.ndarray:
         """Per-token detection scores, shape of ``tokens`` (``prev``: the token before each)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def z(self, total: np.ndarray, T: int | np.ndarray) -> np.ndarray:
-        raise NotImplementedError
+        """The detection statistic of a summed score over ``T`` tokens."""
 
     def pvalue(self, total: np.ndarray, T: int | np.ndarray) -> np.ndarray:
         return stats.norm.sf(self.z(total, T))
@@ -228,12 +232,13 @@ class OTScheme(Scheme):
         self._side = ContextCache(key, lambda rng: np.array([rng.integers(1, self.side_size + 1)]))
 
     # -- the score f(x, s) and the OT cost -----------------------------------------------------------
+    @abstractmethod
     def score(self, x: np.ndarray, s: np.ndarray) -> np.ndarray:
         """f(x, s) elementwise (broadcasting), s in 1..S."""
-        raise NotImplementedError
 
+    @abstractmethod
     def cost(self, f: np.ndarray) -> np.ndarray:
-        raise NotImplementedError
+        """The OT cost matrix from the score table ``f``."""
 
     def side(self, prev: np.ndarray) -> np.ndarray:
         """s in 1..S for each previous token (same shape as ``prev``)."""
