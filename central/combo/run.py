@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
@@ -60,17 +60,17 @@ class ComboParams:
     text_tokens: int = 4  # text: tokens per (backbone, layer), chunks of each text's length
     top_k: int = 2  # backbones kept for selective adaptation
     null_control: bool = False  # also train ComBo on shuffled labels: the relevance spread that chance gives
-    # ComBo head: one fixed recipe for every task
-    proj_dim: int = 8
-    depth: int = 1
-    heads: int = 4
-    mlp_ratio: int = 2
-    dropout: float = 0.1
-    epochs: int = 30
-    batch: int = 64
-    lr: float = 2e-3
-    weight_decay: float = 1.0  # AdamW (decoupled) on the projections and transformer matrices
-    proj_init: float = 0.01  # projections start at this × PyTorch's default init (the norms then measure learning)
+    # ComBo head: one fixed recipe for every task (defaults and meanings: central.combo.head.HeadRecipe)
+    proj_dim: int = HeadRecipe.proj_dim
+    depth: int = HeadRecipe.depth
+    heads: int = HeadRecipe.heads
+    mlp_ratio: int = HeadRecipe.mlp_ratio
+    dropout: float = HeadRecipe.dropout
+    epochs: int = HeadRecipe.epochs
+    batch: int = HeadRecipe.batch
+    lr: float = HeadRecipe.lr
+    weight_decay: float = HeadRecipe.weight_decay
+    proj_init: float = HeadRecipe.proj_init
     # linear probes
     probe_layer: str = "best"  # best (layer chosen on the validation split) | last
     probe_cs: list[float] = field(default_factory=lambda: [0.01, 0.1, 1.0])
@@ -176,8 +176,7 @@ def check_vision(p: ComboParams) -> None:
 
 
 def head_recipe(p: ComboParams) -> HeadRecipe:
-    return HeadRecipe(p.proj_dim, p.depth, p.heads, p.mlp_ratio, p.dropout, p.epochs, p.batch, p.lr, p.weight_decay,
-                      p.proj_init)
+    return HeadRecipe(**{f.name: getattr(p, f.name) for f in fields(HeadRecipe)})
 
 
 def backbone_recipe(p: ComboParams, objective: str, seed: int) -> BackboneRecipe:
