@@ -49,7 +49,7 @@ from flwr.app import ArrayRecord
 from clients.base import EvalResult, Learner, NodeContext, StateDict, TrainResult
 from clients.tta import TTAMethod, build_method, make_params, norm_state
 from clients.tta.analysis import group_report
-from clients.tta_source import SourceRecipe, clean_accuracy, source_data, source_model
+from clients.tta_source import SourceData, SourceRecipe, clean_accuracy, source_data, source_model
 from envs.corruptions import BENCHMARK_ORDER
 from envs.streams import DomainStream, DomainStreamConfig
 from fedsim.config import ExperimentConfig
@@ -109,7 +109,7 @@ class TTALearner(Learner):
                             p.source_lr, 64, p.test_images, 0, derive_seed(self.cfg.seed, "tta-source") % 2**31)
 
     @property
-    def data(self):
+    def data(self) -> SourceData:
         return source_data(self.cfg.data.name, self.params.test_images, 0)
 
     def stream_config(self) -> DomainStreamConfig:
@@ -212,12 +212,9 @@ class TTALearner(Learner):
     def evaluate(self, arrays: StateDict, ctx: NodeContext) -> EvalResult:
         """The node's clean test share under the global norm parameters (no adaptation)."""
         method = self._load(arrays, None)
-        data = self.data
         rows = self.client_rows(ctx.partition_id)
-        x, y = data.scaled(rows), torch.from_numpy(data.labels[rows])
-        with torch.no_grad():
-            acc = float((method.model(x).argmax(1) == y).float().mean())
-        return EvalResult(num_examples=len(y), metrics={"clean_accuracy": acc})
+        acc = clean_accuracy(method.model, self.data, len(rows), rows)
+        return EvalResult(num_examples=len(rows), metrics={"clean_accuracy": acc})
 
     def evaluate_global(self, arrays: StateDict) -> dict[str, float]:
         """Accuracy of the global norm parameters on the clean test pool (does adaptation forget the source?)."""

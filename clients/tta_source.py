@@ -116,9 +116,9 @@ def source_model(recipe: SourceRecipe) -> tuple[nn.Module, bool]:
 
 
 @torch.no_grad()
-def clean_accuracy(model: nn.Module, data: SourceData, batch_size: int) -> float:
-    """Accuracy of ``model`` (as configured: eval or batch statistics) on the clean test pool."""
-    rows = data.test_rows
+def clean_accuracy(model: nn.Module, data: SourceData, batch_size: int, rows: np.ndarray | None = None) -> float:
+    """Accuracy of ``model`` (as configured: eval or batch statistics) on clean ``rows`` (default: the test pool)."""
+    rows = data.test_rows if rows is None else rows
     x, y = data.scaled(rows), torch.from_numpy(data.labels[rows])
     correct = 0
     for start in range(0, len(y), batch_size):
