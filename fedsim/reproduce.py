@@ -14,6 +14,7 @@ A claim spec lives in ``experiments/reproduce/<name>.yaml``::
     seeds: [0, 1, 2]
     metric: eval/accuracy
     moving_average: 10                      # also report the best k-round moving average
+    extra_metrics: [eval/loss]              # more columns: each run's final value of these metrics
 
 The result is a table of mean ± std over seeds of the final metric (and the best moving average)
 per configuration, printed and logged to the parent run as ``results.csv`` / ``results.md``, with
@@ -50,6 +51,7 @@ class ClaimSpec:
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     metric: str = "eval/accuracy"
     moving_average: int = 0
+    extra_metrics: list[str] = field(default_factory=list)  # more table columns (final values)
 
 
 @dataclass
@@ -60,6 +62,12 @@ class ConfigResult:
     best_moving: list[float] = field(default_factory=list)
     curves: list[list[float]] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
+    extras: dict[str, list[float]] = field(default_factory=dict)  # extra metric -> one final value per seed
+
+    def add_extras(self, finals: dict[str, float]) -> None:
+        """One seed's final values of the spec's extra metrics (NaN where a run did not log one)."""
+        for key, value in finals.items():
+            self.extras.setdefault(key, []).append(value)
 
     def add(self, curve: list[float], moving_average: int) -> None:
         """One seed's metric curve (round 0 first)."""
@@ -211,6 +219,8 @@ def run_claim(
             if previous is not None and previous.info.status == "FINISHED":
                 on_progress(f"[{i}/{len(configs)}] {res.label}, seed {seed}: finished before, read back")
                 res.add(_logged_curve(parent, previous.info.run_id, spec.metric), spec.moving_average)
+                logged = previous.data.metrics
+                res.add_extras({k: float(logged.get(k, float("nan"))) for k in spec.extra_metrics})
                 continue
             on_progress(f"[{i}/{len(configs)}] {res.label}, seed {seed}")
             kwargs: dict[str, Any] = {}
@@ -225,6 +235,7 @@ def run_claim(
                 on_progress(f"    failed: {exc}")
                 continue
             res.add([v for _, v in _series(summary.history, spec.metric)], spec.moving_average)
+            res.add_extras({k: _final_value(summary.history, k) for k in spec.extra_metrics})
         status = "FINISHED"
     except KeyboardInterrupt:
         status = "KILLED"
@@ -276,6 +287,12 @@ def _series(history: History, metric: str) -> list[tuple[int, float]]:
     return history.series(metric)
 
 
+def _final_value(history: History, metric: str) -> float:
+    """The metric's value in the last round that logged it (NaN if none did)."""
+    series = history.series(metric)
+    return float(series[-1][1]) if series else float("nan")
+
+
 def results_table_rows(spec: ClaimSpec, results: list[ConfigResult]) -> list[dict[str, str]]:
     rows = []
     for r in results:
@@ -284,6 +301,9 @@ def results_table_rows(spec: ClaimSpec, results: list[ConfigResult]) -> list[dic
         if spec.moving_average:
             bm, bs = r.mean_std(r.best_moving)
             row[f"best {spec.moving_average}-round mean"] = f"{bm:.4f} ± {bs:.4f}"
+        for key in spec.extra_metrics:
+            em, es = r.mean_std([v for v in r.extras.get(key, []) if not math.isnan(v)])  # NaN: not logged
+            row[key] = "–" if math.isnan(em) else f"{em:.4f} ± {es:.4f}"
         if r.failed:
             row["failed"] = str(len(r.failed))
         rows.append(row)
@@ -298,10 +318,11 @@ def _log_results(parent: Any, name: str, spec: ClaimSpec, results: list[ConfigRe
     cols = sorted({k for row in rows for k in row}, key=lambda k: list(rows[0]).index(k) if k in rows[0] else 99)
     with (out / "results.csv").open("w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["configuration", "seed_index", "final", "best_moving_average"])
+        writer.writerow(["configuration", "seed_index", "final", "best_moving_average", *spec.extra_metrics])
         for r in results:
             for i, (fin, bm) in enumerate(zip(r.finals, r.best_moving)):
-                writer.writerow([r.label, i, fin, bm])
+                extras = [r.extras.get(k, [])[i] if i < len(r.extras.get(k, [])) else "" for k in spec.extra_metrics]
+                writer.writerow([r.label, i, fin, bm, *extras])
     md = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     md += ["| " + " | ".join(row.get(c, "") for c in cols) + " |" for row in rows]
     (out / "results.md").write_text("\n".join(md) + "\n")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
@@ -45,7 +46,8 @@ def test_best_moving_average() -> None:
 def test_reproduce_logs_parent_with_children(tmp_path, tracking_uri, capsys) -> None:
     path = tmp_path / "claim.yaml"
     path.write_text("experiment: fedavg\noverrides: [rounds=1, num_clients=2, data.name=digits, model.name=mlp,"
-                    " data.partition.name=iid]\ngrid:\n  client.lr: [0.05, 0.2]\nseeds: [0, 1]\n")
+                    " data.partition.name=iid]\ngrid:\n  client.lr: [0.05, 0.2]\nseeds: [0, 1]\n"
+                    "extra_metrics: [eval/loss, no/such_metric]\n")
     assert main(["reproduce", str(path), "--tracking-uri", tracking_uri]) == 0
     out = capsys.readouterr().out
     assert "lr=0.05" in out and "lr=0.2" in out and "±" in out
@@ -58,6 +60,15 @@ def test_reproduce_logs_parent_with_children(tmp_path, tracking_uri, capsys) -> 
     assert all(r.info.status == "FINISHED" for r in runs)
     arts = {a.path for a in client.list_artifacts(parents[0].info.run_id)}
     assert {"results.csv", "results.md", "plots"} <= arts
+    # extra metrics: a column each, the mean over seeds of each child's final value; "–" where none logged
+    table = (Path(client.download_artifacts(parents[0].info.run_id, "results.md"))).read_text()
+    assert "eval/loss" in table.splitlines()[0] and "no/such_metric" in table.splitlines()[0]
+    losses = {}
+    for c in children:
+        losses.setdefault(c.data.tags["mlflow.runName"].split(" | ")[0], []).append(c.data.metrics["eval/loss"])
+    for label, values in losses.items():
+        row = next(line for line in table.splitlines() if line.startswith(f"| {label} |"))
+        assert f"{sum(values) / len(values):.4f} ±" in row.split(" | ")[3] and row.rstrip(" |").endswith("–")
 
 
 def test_an_interrupted_claim_check_resumes_where_it_stopped(tmp_path, tracking_uri, in_tmp) -> None:
@@ -67,7 +78,7 @@ def test_an_interrupted_claim_check_resumes_where_it_stopped(tmp_path, tracking_
     path = tmp_path / "claim.yaml"
     path.write_text("experiment: fedavg\noverrides: [rounds=2, num_clients=2, data.name=digits, model.name=mlp,"
                     " data.partition.name=iid, engine.keep_checkpoint=true]\ngrid:\n  client.lr: [0.05, 0.2]\n"
-                    "seeds: [0, 1]\n")
+                    "seeds: [0, 1]\nextra_metrics: [eval/loss]\n")
     spec = load_claim(str(path))
     full, _ = run_claim("c", spec, tracking_uri=tracking_uri)
     calls: list[str] = []
@@ -93,6 +104,8 @@ def test_an_interrupted_claim_check_resumes_where_it_stopped(tmp_path, tracking_
                                    resume_parent=parent.info.run_id)
     assert parent_id == parent.info.run_id and rerun == calls[2:] + ["lr=0.2 | seed 1"]
     assert [r.finals for r in resumed] == [r.finals for r in full]
+    for r_resumed, r_full in zip(resumed, full):  # read back from MLflow (float32-rounded) or fresh
+        assert r_resumed.extras["eval/loss"] == pytest.approx(r_full.extras["eval/loss"], rel=1e-6)
     assert client.get_run(parent_id).info.status == "FINISHED"
     with pytest.raises(ConfigError, match="that claim check ran with"):
         run_claim("c", load_claim(str(path), seeds=1), tracking_uri=tracking_uri, resume_parent=parent_id)
