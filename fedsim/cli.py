@@ -1,4 +1,4 @@
-"""The ``fedsim`` command line: ``list``, ``run``, ``ui``.
+"""The ``fedsim`` command line: ``list``, ``run``, ``reproduce``, ``sweep``, ``compare``, ``ui``.
 
 Errors the user can fix print one line (``fedsim: error: ...``) and exit 2, never a traceback.
 """
@@ -62,6 +62,27 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--tracking-uri", help="MLflow tracking URI")
     rep.add_argument("--resume", metavar="PARENT_RUN_ID",
                      help="continue an interrupted claim check: finished runs are read back, the rest run")
+
+    sw = sub.add_parser("sweep", help="run a grid × seeds as parallel Ray Tune trials under one MLflow parent run")
+    sw.add_argument("sweep", help="a sweep (experiments/sweeps/NAME.yaml or a path) or an experiment name with --grid")
+    sw.add_argument("overrides", nargs="*", help="overrides applied to every trial (before --grid), e.g. rounds=5")
+    sw.add_argument("--grid", nargs="+", default=[], metavar="KEY=V1,V2",
+                    help="grid axes, e.g. eps=1,3,6 strategy=fedsvd,ffa_lora client.lr=0.01,0.05")
+    sw.add_argument("--seeds", type=_positive_int, help="number of seeds (0..N-1) per configuration")
+    sw.add_argument("--address", help="an existing Ray cluster (e.g. auto); default: $RAY_ADDRESS or a local runtime")
+    sw.add_argument("--cpus-per-trial", type=float, help="CPUs each trial reserves (and its torch threads)")
+    sw.add_argument("--max-concurrent", type=int, help="at most this many trials at once (default: as CPUs allow)")
+    sw.add_argument("--tracking-uri", help="MLflow tracking URI")
+    sw.add_argument("--resume", metavar="PARENT_RUN_ID",
+                    help="continue an interrupted sweep: finished trials are read back, the rest run")
+
+    cmp = sub.add_parser("compare", help="table and plots of a sweep's / claim check's runs (mean ± std over seeds)")
+    cmp.add_argument("parent", nargs="?", help="the parent run id of a sweep or claim check")
+    cmp.add_argument("--experiment", help="compare the top-level runs of `fedsim run EXPERIMENT` instead")
+    cmp.add_argument("--metric", action="append", dest="metrics",
+                     help="a metric to compare (repeat for several; default: the sweep's own metrics)")
+    cmp.add_argument("--out", help="where to write the plots (default: a temporary folder; logged to the parent)")
+    cmp.add_argument("--tracking-uri", help="MLflow tracking URI")
 
     ui = sub.add_parser("ui", help="open the MLflow UI on 127.0.0.1 over the same store")
     ui.add_argument("--port", type=int, default=5000)
@@ -170,7 +191,6 @@ def cmd_run_central(args: argparse.Namespace) -> int:
 
 def cmd_reproduce(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.table import Table
 
     from fedsim.reproduce import load_claim, results_table_rows, run_claim
 
@@ -179,19 +199,67 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     console.print(f"[bold]{args.claim}[/bold]: {spec.description}")
     results, parent = run_claim(args.claim, spec, tracking_uri=args.tracking_uri,
                                 on_progress=lambda msg: console.print(msg, highlight=False), resume_parent=args.resume)
-    rows = results_table_rows(spec, results)
-    table = Table(title=f"{args.claim}: mean ± std over {len(spec.seeds)} seeds", header_style="bold")
+    _print_table(console, f"{args.claim}: mean ± std over {len(spec.seeds)} seeds", results_table_rows(spec, results))
+    for r in results:
+        for failure in r.failed:
+            console.print(f"[red]failed[/red] {r.label}: {failure}", highlight=False)
+    if parent:
+        console.print(f"MLflow parent run {parent} (results.md, plots/); open with [bold]fedsim ui[/bold].")
+    return 0
+
+
+def _print_table(console: Any, title: str, rows: list[dict[str, str]]) -> None:
+    from rich.table import Table
+
+    table = Table(title=title, header_style="bold")
     cols = list(dict.fromkeys(k for row in rows for k in row))
     for c in cols:
         table.add_column(c)
     for row in rows:
         table.add_row(*(row.get(c, "") for c in cols))
     console.print(table)
-    for r in results:
-        for failure in r.failed:
-            console.print(f"[red]failed[/red] {r.label}: {failure}", highlight=False)
-    if parent:
-        console.print(f"MLflow parent run {parent} (results.md, plots/); open with [bold]fedsim ui[/bold].")
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from fedsim.reproduce import results_table_rows
+    from fedsim.sweep import load_sweep, run_sweep
+
+    name, spec = load_sweep(args.sweep, grid=args.grid, seeds=args.seeds, overrides=args.overrides,
+                            cpus_per_trial=args.cpus_per_trial, max_concurrent=args.max_concurrent)
+    console = Console()
+    console.print(f"[bold]sweep {name}[/bold]: {spec.experiment}, grid {dict(spec.grid)}, {len(spec.seeds)} seeds, "
+                  f"{spec.cpus_per_trial:g} CPU(s) per trial", highlight=False)
+    with console.status("starting Ray ...") as status:
+        results, parent, progress = run_sweep(
+            name, spec, tracking_uri=args.tracking_uri, address=args.address, resume_parent=args.resume,
+            on_progress=lambda p: status.update(p.line()),
+            on_message=lambda msg: console.print(f"[red]{msg}[/red]", highlight=False))
+    console.print(progress.line(), highlight=False)
+    _print_table(console, f"sweep {name}: mean ± std over {len(spec.seeds)} seeds", results_table_rows(spec, results))
+    console.print(f"MLflow parent run {parent}; compare with [bold]fedsim compare {parent}[/bold] "
+                  f"or [bold]fedsim ui[/bold].", highlight=False)
+    return 1 if progress.failed else 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from fedsim.compare import compare, from_experiment, from_parent
+    from fedsim.errors import ConfigError
+
+    if bool(args.parent) == bool(args.experiment):
+        raise ConfigError("give either a parent run id or --experiment NAME")
+    cmp = (from_parent(args.parent, args.metrics, args.tracking_uri) if args.parent
+           else from_experiment(args.experiment, args.metrics, args.tracking_uri))
+    rows, paths = compare(cmp, args.tracking_uri, Path(args.out) if args.out else None)
+    console = Console()
+    _print_table(console, f"{cmp.title}: final values, mean ± std over seeds", rows)
+    where = f"logged to run {cmp.parent_id} under compare/" if cmp.parent_id else "written"
+    console.print(f"{len(paths)} files {where}: {paths[0].parent if paths else ''}", highlight=False)
     return 0
 
 
@@ -219,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if args.command in ("run", "reproduce"):  # overrides may come after flags: collect the key=value leftovers
+    if args.command in ("run", "reproduce", "sweep"):  # overrides may come after flags: collect the key=value leftovers
         args.overrides = [*args.overrides, *(e for e in extra if "=" in e and not e.startswith("-"))]
         extra = [e for e in extra if e not in args.overrides]
     if extra:
@@ -234,6 +302,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_run(args)
         if args.command == "reproduce":
             return cmd_reproduce(args)
+        if args.command == "sweep":
+            return cmd_sweep(args)
+        if args.command == "compare":
+            return cmd_compare(args)
         return cmd_ui(args)
     except FedsimError as exc:
         sys.stderr.write(f"fedsim: error: {exc}\n")

@@ -93,7 +93,8 @@ def plot_claim(spec, results, out_dir: Path, title: str) -> list[Path]:
 
 def _finish(fig, ax, title: str, path: Path, legend_size: int) -> Path:
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=legend_size)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=legend_size)
     ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -197,7 +197,8 @@ def run_claim(
     tracking = configs[0][2].tracking
     parent = None
     params = {"claim": name, "base_experiment": spec.experiment, "seeds": len(spec.seeds),
-              "grid": str(dict(spec.grid)), "overrides": " ".join(spec.overrides)}
+              "grid": str(dict(spec.grid)), "overrides": " ".join(spec.overrides),
+              "metric": spec.metric, "extra_metrics": str(list(spec.extra_metrics))}
     done: dict[str, Any] = {}
     if resume_parent:
         if not tracking.enabled:
@@ -255,6 +256,11 @@ def _finished_children(parent: Any, params: dict[str, Any]) -> dict[str, Any]:
         if key in logged and logged[key] != str(params[key])[:500]:
             raise ConfigError(f"--resume {parent.run_id}: that claim check ran with {key}={logged[key]!r}, "
                               f"not {str(params[key])!r}; resume it with the same claim and overrides")
+    return children_by_name(parent)
+
+
+def children_by_name(parent: Any) -> dict[str, Any]:
+    """A parent run's children by run name: the finished one where a name ran twice, else the latest."""
     runs = parent.client.search_runs([parent.experiment_id],
                                      filter_string=f"tags.mlflow.parentRunId = '{parent.run_id}'",
                                      order_by=["attributes.start_time ASC"], max_results=10000)
@@ -297,7 +303,8 @@ def results_table_rows(spec: ClaimSpec, results: list[ConfigResult]) -> list[dic
     rows = []
     for r in results:
         m, s = r.mean_std(r.finals)
-        row = {"configuration": r.label, f"final {spec.metric}": f"{m:.4f} ± {s:.4f}", "runs": str(len(r.finals))}
+        row = {"configuration": r.label, f"final {spec.metric}": "–" if math.isnan(m) else f"{m:.4f} ± {s:.4f}",
+               "runs": str(len(r.finals))}
         if spec.moving_average:
             bm, bs = r.mean_std(r.best_moving)
             row[f"best {spec.moving_average}-round mean"] = f"{bm:.4f} ± {bs:.4f}"
