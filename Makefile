@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # pip on these machines prints one harmless "Location ... is ignored" line per package
 PIPQ := 2>&1 | { grep -v -e "is ignored: it is neither" -e "^  *with strategy, WheelFile" || true; }
 
-.PHONY: demo test install clean bench
+.PHONY: demo test install clean bench lab
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -31,6 +31,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# The teaching labs in JupyterLab (installs it into .venv the first time).
+lab: $(STAMP)
+	$(BIN)/python -m pip install --quiet -e ".[labs]" $(PIPQ)
+	$(BIN)/jupyter lab experiments/labs
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_svd_refactor.py

@@ -234,7 +234,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     with console.status("starting Ray ...") as status:
         results, parent, progress = run_sweep(
             name, spec, tracking_uri=args.tracking_uri, address=args.address, resume_parent=args.resume,
-            on_progress=lambda p: status.update(p.line()),
+            on_progress=lambda p: status.update(p.line()) if console.is_terminal
+            else console.print(p.line(), highlight=False),  # a log file gets one line per change
             on_message=lambda msg: console.print(f"[red]{msg}[/red]", highlight=False))
     console.print(progress.line(), highlight=False)
     _print_table(console, f"sweep {name}: mean ± std over {len(spec.seeds)} seeds", results_table_rows(spec, results))

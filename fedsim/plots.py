@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
+from fedsim.mpl import use_agg
 
-matplotlib.use("Agg")
+use_agg()
 import matplotlib.pyplot as plt  # noqa: E402
 
 from fedsim.engine.history import History  # noqa: E402

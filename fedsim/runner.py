@@ -33,6 +33,7 @@ class RunSummary:
     wall_seconds: float
     run_id: str | None
     tracking_uri: str | None
+    privacy_ledger: Any = None  # privacy.ledger.PrivacyLedger of a DP run: per-client rounds, steps, σ, ε
 
 
 def preflight(spec: RunSpec) -> None:
@@ -172,7 +173,7 @@ def run_experiment(
         except ValueError:
             pass
     return RunSummary(history, result.arrays, wall, recorder.run_id if recorder else None,
-                      recorder.uri if recorder else None)
+                      recorder.uri if recorder else None, ledger)
 
 
 def _checkpoint_dir(cfg: C.ExperimentConfig, run_id: str | None) -> Path | None:

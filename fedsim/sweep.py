@@ -168,10 +168,14 @@ def load_sweep(name: str, *, grid: list[str] | None = None, seeds: int | None = 
 
 def trial_config(spec: SweepSpec, setting: dict[str, Any], seed: int) -> C.ExperimentConfig:
     """One trial's config: the in-process engine, ``cpus_per_trial`` torch threads, absolute paths."""
+    from fedsim.engine.runtime import RunSpec
+    from fedsim.runner import preflight
+
     cfg = build_config(spec, setting, seed)
     cfg.engine.name = "local"
     cfg.engine.threads_per_client = max(1, int(spec.cpus_per_trial))
     cfg.engine.checkpoint_dir = str(Path(cfg.engine.checkpoint_dir).expanduser().resolve())
+    preflight(RunSpec.from_config(cfg))  # unknown components and bad params fail here, before Ray starts
     return cfg
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import textwrap
 from typing import Any
 
-import matplotlib
+from fedsim.mpl import use_agg
 
-matplotlib.use("Agg")
+use_agg()
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402

@@ -208,9 +208,9 @@ def check(p: LRQKParams) -> None:
 # -- plots ----------------------------------------------------------------------------------------
 
 def _plot_vs_k(rows: list[dict[str, Any]], p: LRQKParams, key: str, ylabel: str, full_value: float | None):
-    import matplotlib
+    from fedsim.mpl import use_agg
 
-    matplotlib.use("Agg")
+    use_agg()
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -233,9 +233,9 @@ def _plot_vs_k(rows: list[dict[str, Any]], p: LRQKParams, key: str, ylabel: str,
 
 
 def _plot_copies(curves: dict[str, tuple[torch.Tensor, torch.Tensor]]):
-    import matplotlib
+    from fedsim.mpl import use_agg
 
-    matplotlib.use("Agg")
+    use_agg()
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))

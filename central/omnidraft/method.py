@@ -354,9 +354,9 @@ def _cache_rows(decoders: dict[str, SpecDecoder], bridge: VocabBridge, top: int 
 
 
 def _plot_stream(rows: list[dict[str, Any]], variants: str) -> Any:
-    import matplotlib
+    from fedsim.mpl import use_agg
 
-    matplotlib.use("Agg")
+    use_agg()
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -376,9 +376,9 @@ def _plot_stream(rows: list[dict[str, Any]], variants: str) -> Any:
 
 
 def _plot_bars(summary: list[dict[str, Any]]) -> Any:
-    import matplotlib
+    from fedsim.mpl import use_agg
 
-    matplotlib.use("Agg")
+    use_agg()
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))

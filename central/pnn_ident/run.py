@@ -278,9 +278,9 @@ def recovery_row(rec: Recovery, identifiable: bool, p: PNNIdentParams) -> dict[s
 # -- plots ---------------------------------------------------------------------------------------------
 
 def plot_thresholds(ts: list[Threshold]) -> Any:
-    import matplotlib
+    from fedsim.mpl import use_agg
 
-    matplotlib.use("Agg")
+    use_agg()
     import matplotlib.pyplot as plt
 
     patterns = list(dict.fromkeys(t.pattern for t in ts))
@@ -308,9 +308,9 @@ def plot_thresholds(ts: list[Threshold]) -> Any:
 
 
 def plot_verdicts(cells: list[Cell], degrees: list[int]) -> Any:
-    import matplotlib
+    from fedsim.mpl import use_agg
 
-    matplotlib.use("Agg")
+    use_agg()
     import matplotlib.pyplot as plt
 
     keys = list(dict.fromkeys((c.arch.name, c.arch.bias) for c in cells))
@@ -332,9 +332,9 @@ def plot_verdicts(cells: list[Cell], degrees: list[int]) -> Any:
 
 
 def plot_recovery(recs: list[tuple[Recovery, bool]], p: PNNIdentParams) -> Any:
-    import matplotlib
+    from fedsim.mpl import use_agg
 
-    matplotlib.use("Agg")
+    use_agg()
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 3.6))

@@ -256,9 +256,9 @@ def _log_axis(ax: Any) -> None:
 
 
 def _panels(n: int) -> tuple[Any, np.ndarray]:
-    import matplotlib
+    from fedsim.mpl import use_agg
 
-    matplotlib.use("Agg")
+    use_agg()
     import matplotlib.pyplot as plt
 
     cols = min(n, 2)
@@ -300,9 +300,9 @@ def plot_collapse(rows: list[dict[str, Any]], plans: dict[str, Plan], selectors:
                                                           ("bh_adaptive", "risk", "signal_mt")) if sel in selectors]
     if not specs:
         return None
-    import matplotlib
+    from fedsim.mpl import use_agg
 
-    matplotlib.use("Agg")
+    use_agg()
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(len(specs), 2, figsize=(10, 3.4 * len(specs)), squeeze=False)

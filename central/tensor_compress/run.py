@@ -252,9 +252,9 @@ def _summary(p: TensorCompressParams, rows: list[dict[str, Any]]) -> dict[str, f
 
 def _plots(ctx: CentralContext, p: TensorCompressParams, rows: list[dict[str, Any]],
            layer_rows: list[dict[str, Any]], base_acc: float) -> None:
-    import matplotlib
+    from fedsim.mpl import use_agg
 
-    matplotlib.use("Agg")
+    use_agg()
     import matplotlib.pyplot as plt
 
     styles = {"fro": ("o", "-"), "id": ("x", ":"), "sigma": ("s", "-"), "sigma_transfer": ("^", "--")}

@@ -241,9 +241,9 @@ def summary_rows(p: WatermarkParams, results: dict[str, Any]) -> list[dict[str, 
 
 
 def plot_tpr(p: WatermarkParams, results: dict[str, Any]) -> Any:
-    import matplotlib
+    from fedsim.mpl import use_agg
 
-    matplotlib.use("Agg")
+    use_agg()
     import matplotlib.pyplot as plt
 
     regimes = list(dict.fromkeys(r for _, r in results["detection"]))
@@ -276,9 +276,9 @@ def _regime_entropy(results: dict[str, Any], regime: str) -> float:
 
 
 def plot_distortion(p: WatermarkParams, results: dict[str, Any]) -> Any:
-    import matplotlib
+    from fedsim.mpl import use_agg
 
-    matplotlib.use("Agg")
+    use_agg()
     import matplotlib.pyplot as plt
 
     items = [(k, d) for k, d in results["distortion"].items()]
