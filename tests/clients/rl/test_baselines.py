@@ -1,0 +1,64 @@
+"""Baselines' initialisation and storage rules, and the success / FWT protocol on curves."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from clients.rl.agent import Layout
+from clients.rl.baselines import FineTune, FineTuneN, Scratch
+from clients.rl.evaluation import success_curve, tail_mean, training_curve
+from clients.rl.report import RunCurves, curve_metrics
+
+LAYOUT = Layout(obs_dim=4, n_actions=2, hidden=8, num_tasks=3)
+
+
+def _trained(m, a, k):
+    a = m.begin_task(a, k)
+    a["actor"] = a["actor"] + (k + 1)  # stands for training on task k
+    return m.end_task(a, k)
+
+
+@pytest.mark.parametrize("cls", [FineTune, FineTuneN, Scratch])
+def test_task_start_rules_and_stored_copies(cls) -> None:
+    m = cls(LAYOUT, 3)
+    a = m.init_arrays()
+    assert torch.equal(a["actor"], m.fresh_actor(0)) and torch.equal(a["critic"], m.fresh_critic(0))
+    a = _trained(m, a, 0)
+    start = m.begin_task(a, 1)
+    assert torch.equal(start["critic"], m.fresh_critic(1))  # the critic restarts at every task (all methods)
+    if cls is Scratch:
+        assert torch.equal(start["actor"], m.fresh_actor(1))  # a fresh actor: the reference's own start
+    else:
+        assert torch.equal(start["actor"], a["actor"])  # FT-1 / FT-N continue from the previous task
+    a = _trained(m, a, 1)
+    for j in range(2):
+        expected = a["copies"][j] if cls is not FineTune else a["actor"]
+        assert torch.equal(m.task_actor(a, j, 2), expected)
+    assert torch.equal(m.latest_actor(a, 2), a["actor"])
+    if cls is not FineTune:
+        assert not torch.equal(a["copies"][0], a["copies"][1])
+        assert m.memory(a, 2) == 2 * m.actor_mlp.numel
+    else:
+        assert m.memory(a, 2) == m.actor_mlp.numel
+    assert m.trainable_keys(1) == ["actor", "critic"]
+
+
+def test_curves_fill_gaps_and_threshold_the_smoothed_return() -> None:
+    np.testing.assert_array_equal(training_curve([np.nan, 10, np.nan, 30, np.nan]), [10, 10, 10, 30, 30])
+    s = success_curve([0, 100, 100, 100], threshold=60, window=2)  # smoothed: 0, 50, 100, 100
+    np.testing.assert_array_equal(s, [0, 0, 1, 1])
+    assert tail_mean(np.arange(20.0)) == pytest.approx(18.5)  # the last 10%
+
+
+def test_fwt_is_zero_against_itself_and_positive_for_a_head_start() -> None:
+    ref = np.array([[10, 50, 100, 150, 200], [10, 50, 100, 150, 200]], dtype=float)
+    same = curve_metrics(RunCurves(ref, ref, np.array([160.0, 160.0])), window=1)
+    assert same["fwt"] == 0.0 and same["fwt_return"] == 0.0
+    ahead = np.array([[10, 50, 100, 150, 200], [150, 200, 200, 200, 200]], dtype=float)
+    m = curve_metrics(RunCurves(ahead, ref, np.array([160.0, 160.0])), window=1)
+    # task 2: success 0,1,1,1,1 vs 0,0,0,0,1 -> AUC 0.875 vs 0.125 (trapezoid) -> (0.875-0.125)/(1-0.125)
+    assert m["fwt"] == pytest.approx(0.75 / 0.875)
+    assert m["fwt_return"] > 0 and m["init_return"] == 150.0 and m["init_return_ref"] == 10.0
+    assert m["perf_train"] == 1.0
