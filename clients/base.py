@@ -69,6 +69,9 @@ class Learner(ABC):
     """Base class of node-side learners; subclasses register under ``fedsim.registry.LEARNERS``."""
 
     supports_dp: bool = False  # True when the learner honours cfg.privacy (DP-SGD)
+    #: True when the learner builds its own environment and model from ``client.params`` (RL, graphs ...):
+    #: ``cfg.data`` and ``cfg.model`` are then unused and not logged as the run's params.
+    owns_environment: bool = False
 
     def __init__(self, cfg: ExperimentConfig, params: Any) -> None:
         self.cfg = cfg

@@ -71,6 +71,8 @@ ENV_ARRAYS = ("state", "elapsed", "beyond")
 class RLLearner(Learner):
     """Continual PPO over a gymnasium task stream (see the module docstring)."""
 
+    owns_environment = True  # the task stream and the actor-critic come from client.params
+
     def __init__(self, cfg: ExperimentConfig, params: RLParams) -> None:
         super().__init__(cfg, params)
         self._method: Method | None = None

@@ -112,8 +112,9 @@ def run_experiment(
             recorder = MlflowRecorder.reopen(tracking_uri or cfg.tracking.uri, resume_run_id)
         else:
             tags = {"experiment": cfg.name, "strategy": cfg.strategy.name, "engine": cfg.engine.name,
-                    "seed": str(cfg.seed), "git_commit": git_commit(), "learner": cfg.client.learner,
-                    "dataset": cfg.data.name}
+                    "seed": str(cfg.seed), "git_commit": git_commit(), "learner": cfg.client.learner}
+            if not learner.owns_environment:
+                tags["dataset"] = cfg.data.name
             if parent_run_id:
                 tags["mlflow.parentRunId"] = parent_run_id
             recorder = MlflowRecorder(tracking_uri or cfg.tracking.uri, cfg.tracking.experiment,
@@ -134,7 +135,10 @@ def run_experiment(
         except ValueError:  # not the main thread (e.g. inside a Ray Tune trial)
             pass
         if recorder is not None and resume is None:
-            recorder.log_params({**C.flatten(C.to_container(cfg)), **setup})
+            params = C.flatten(C.to_container(cfg))
+            if learner.owns_environment:  # its data and model live in client.params: cfg.data / cfg.model are unused
+                params = {k: v for k, v in params.items() if not k.startswith(("data.", "model."))}
+            recorder.log_params({**params, **setup})
             recorder.log_text(C.to_yaml(cfg), "config.yaml")
             for path in learner.setup_artifacts(recorder.artifact_dir):
                 recorder.log_artifact(path, "plots")

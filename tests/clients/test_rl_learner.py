@@ -101,6 +101,9 @@ def test_tracked_run_logs_the_report_and_plots(tracking_uri, tmp_path, monkeypat
     assert {"plots/rl_curves.png", "plots/rl_matrix_r.png", "plots/rl_matrix_l.png", "plots/rl_memory.png",
             "plots/rl_report.csv"} <= plots
     assert list((tmp_path / "cache" / "rl-reference").glob("*.pt"))  # the reference was cached
+    # the learner owns its environment: the unused data/model sections are not logged as the run's setup
+    assert "dataset" not in run.data.tags and not any(k.startswith(("data.", "model.")) for k in run.data.params)
+    assert run.data.params["client.params.method"] == "ckarl"
 
 
 @pytest.mark.parametrize("override,flags,message", [
