@@ -3,4 +3,5 @@
 from clients import supervised  # noqa: F401  (registers the "supervised" learner)
 from clients import tta_learner  # noqa: F401  (registers the "tta" learner)
 from clients import rl_learner  # noqa: F401  (registers the "ckarl" learner)
+from clients import ldl_learner  # noqa: F401  (registers the "ldl" learner)
 from clients.base import EvalResult, Learner, NodeContext, StateDict, TrainResult  # noqa: F401
