@@ -11,3 +11,4 @@ from central import deft  # noqa: F401
 from central import tensor_compress  # noqa: F401
 from central import combo  # noqa: F401
 from central import clic  # noqa: F401
+from central import peft_meta  # noqa: F401
