@@ -219,9 +219,7 @@ def run_claim(
             previous = done.get(child_name)
             if previous is not None and previous.info.status == "FINISHED":
                 on_progress(f"[{i}/{len(configs)}] {res.label}, seed {seed}: finished before, read back")
-                res.add(_logged_curve(parent, previous.info.run_id, spec.metric), spec.moving_average)
-                logged = previous.data.metrics
-                res.add_extras({k: float(logged.get(k, float("nan"))) for k in spec.extra_metrics})
+                add_logged_run(res, parent, previous, spec)
                 continue
             on_progress(f"[{i}/{len(configs)}] {res.label}, seed {seed}")
             kwargs: dict[str, Any] = {}
@@ -270,6 +268,12 @@ def children_by_name(parent: Any) -> dict[str, Any]:
         if name not in children or children[name].info.status != "FINISHED":
             children[name] = run
     return children
+
+
+def add_logged_run(res: ConfigResult, parent: Any, run: Any, spec: ClaimSpec) -> None:
+    """Add one finished child run, read back from MLflow, to its configuration's results."""
+    res.add(_logged_curve(parent, run.info.run_id, spec.metric), spec.moving_average)
+    res.add_extras({k: float(run.data.metrics.get(k, math.nan)) for k in spec.extra_metrics})
 
 
 def _logged_curve(parent: Any, run_id: str, metric: str) -> list[float]:

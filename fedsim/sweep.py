@@ -45,7 +45,7 @@ from fedsim.reproduce import (
     _finished_children,
     children_by_name,
     _log_results,
-    _logged_curve,
+    add_logged_run,
     build_config,
     label_of,
     settings,
@@ -378,7 +378,6 @@ def _read_back(parent: Any, spec: SweepSpec, grid: list[dict[str, Any]]) -> list
             if run is None or run.info.status != "FINISHED":
                 res.failed.append(f"seed {seed}: " + ("not run" if run is None else run.info.status.lower()))
                 continue
-            res.add(_logged_curve(parent, run.info.run_id, spec.metric), spec.moving_average)
-            res.add_extras({k: float(run.data.metrics.get(k, math.nan)) for k in spec.extra_metrics})
+            add_logged_run(res, parent, run, spec)
         results.append(res)
     return results
