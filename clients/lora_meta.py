@@ -1,4 +1,4 @@
-"""LoRA-ML on real data as a fedsim learner: retraining on binary digit tasks, few-shot LoRA on a new one.
+"""LoRA-ML on real data as a fedsim learner: retraining on binary digit or text tasks, few-shot LoRA on a new one.
 
 Paper: Block, Srinivasan, Collins, Mokhtari, Shakkottai, "Provable Meta-Learning with Low-Rank
 Adaptations", NeurIPS 2025, arXiv:2410.22264.  Code read: ``github.com/jacob-block/peft-ml``
@@ -76,8 +76,22 @@ Adam (5e-4) for 100 epochs on 8v9; the metric is test accuracy on 8v9 (last and 
   such as [3, 8]).  Pairs may share digits (e.g. retrain on 0v8, 1v9, …, adapt to 8v9: a new task
   over seen digits); only the new pair itself must not be a retraining pair.
 * The data and model settings are this learner's own ``client.params``: ``cfg.data`` and
-  ``cfg.model`` are ignored (leave them at any registered value; the experiment file sets mnist/mlp).
-* The MiniLM text variant (tasks = label pairs of ``stdlib_docs``) is not implemented yet.
+  ``cfg.model`` are ignored (not logged; the image experiment file sets mnist/mlp, the text one stdlib_docs/minilm_lora).
+
+**The MiniLM text variant** (``dataset: stdlib_docs``, ``arch: minilm``; ``experiments/peft_meta_text.yaml``):
+
+* Data: the offline ``stdlib_docs`` text set (:mod:`envs.text`: standard-library docstring paragraphs
+  labelled by module family, 10 families × 400), tokenised to ``max_len`` int64 MiniLM token ids
+  (default 32); a task is a pair of family labels (label = position in the pair), by default
+  retraining on families 0v1, 2v3, 4v5, 6v7 and adapting to 8v9 — the authors' CIFAR-10 split carried
+  over to families.  The authors' language experiment (RoBERTa-base on ConvAI2, persona = task,
+  T = 10, response selection) cannot be downloaded here; this is the offline stand-in.
+* Model (:class:`clients.lora_meta_model.LoraMiniLM`): the pretrained MiniLM-L6 encoder with a rank-k
+  LoRA bank on every attention query and value projection and on the linear head over the mean-pooled
+  embedding.  **Deviation**: the base that retraining trains (and a round exchanges) is only those
+  wrapped projections' weights and biases plus the head — the rest of the encoder stays frozen at the
+  checkpoint — where the authors retrain the whole RoBERTa; the encoder's dropout is off; LoRA
+  scale 1 (authors: rank 8, α 16, LoRA dropout 0.1, AdamW 5e-5).  Evaluation runs in chunks of 128.
 """
 
 from __future__ import annotations
@@ -106,7 +120,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("fedsim")
 
 METHODS = ("lora_ml", "retrain", "reptile")
-DATASET_NAMES = ("mnist", "digits")
+DATASET_NAMES = ("mnist", "digits", "stdlib_docs")
+TEXT_DATASETS = ("stdlib_docs",)
+ARCHS = ("mlp", "mixer", "minilm")
+#: Examples per forward pass when scoring (bounds MiniLM's activation memory).
+EVAL_CHUNK = 128
 #: ``ctx.state`` record of a node's adapters (lora_ml).
 STATE_KEY = "lora-meta-adapters"
 
@@ -116,11 +134,13 @@ class LoraMetaParams:
     """``client.params`` of the ``lora_meta`` learner."""
 
     method: str = "lora_ml"  # lora_ml | retrain | reptile
-    dataset: str = "mnist"  # mnist | digits (offline arrays of envs.datasets)
+    dataset: str = "mnist"  # mnist | digits (offline arrays of envs.datasets) | stdlib_docs (text, arch minilm)
+    max_len: int = 32  # stdlib_docs: token ids per example ([CLS]/[SEP] included)
+    per_class: int = 400  # stdlib_docs: paragraphs per family (its balance cap; fewer = faster evaluation)
     train_pairs: list[list[int]] = field(default_factory=lambda: [[0, 1], [2, 3], [4, 5], [6, 7]])
     new_pair: list[int] = field(default_factory=lambda: [8, 9])
     test_fraction: float = 0.2  # of each retraining pair, held out (client-side and server-side evaluation)
-    arch: str = "mixer"  # mixer (the authors' MLP-Mixer, small) | mlp
+    arch: str = "mixer"  # mixer (the authors' MLP-Mixer, small) | mlp | minilm (text: pretrained MiniLM-L6)
     hidden: list[int] = field(default_factory=lambda: [128, 128])  # mlp widths
     patch: int = 7  # mixer: patch size (28 / 7 = 4 x 4 patches; must divide the image size)
     dim: int = 32  # mixer: embedding width
@@ -141,7 +161,8 @@ class LoraMetaParams:
 
 @dataclass
 class Task:
-    """One binary task: training and test images (float32, N × 1 × H × W) with 0/1 labels."""
+    """One binary task: training and test inputs (images float32 N × 1 × H × W, or token ids int64
+    N × max_len) with 0/1 labels."""
 
     pair: tuple[int, int]
     x_train: torch.Tensor
@@ -152,8 +173,8 @@ class Task:
 
 def make_tasks(x: np.ndarray, y: np.ndarray, pairs: list[list[int]], test_fraction: float, seed: int,
                balance: bool) -> list[Task]:
-    """Binary tasks from labelled images: seeded train/test split per pair; ``balance`` cuts every
-    task's training set to the smallest one's size."""
+    """Binary tasks from labelled examples (images or token ids): seeded train/test split per pair;
+    ``balance`` cuts every task's training set to the smallest one's size."""
     tasks = []
     for a, b in pairs:
         rows = np.flatnonzero((y == a) | (y == b))
@@ -184,25 +205,54 @@ def batches(n: int, batch_size: int, generator: torch.Generator) -> Iterator[tor
 
 
 @LEARNERS.register("lora_meta", params=LoraMetaParams,
-                   summary="LoRA-ML meta-learning on binary digit tasks (lora_ml, retrain, reptile); "
+                   summary="LoRA-ML meta-learning on binary digit / text tasks (lora_ml, retrain, reptile); "
                            "few-shot rank-k LoRA on a new task, personalised FL with client = task")
 class LoraMetaLearner(Learner):
     """Retraining on T binary tasks (centralised or client = task), few-shot LoRA evaluation on a new one."""
 
-    owns_environment = True  # the binary digit tasks and the LoRA network come from client.params
+    owns_environment = True  # the binary tasks (digits or text) and the LoRA network come from client.params
 
     def __init__(self, cfg: ExperimentConfig, params: LoraMetaParams) -> None:
         super().__init__(cfg, params)
         self._tasks: list[Task] | None = None
         self._new: Task | None = None
+        self._num_classes: int | None = None
 
     # -- set-up ---------------------------------------------------------------------------------------
+    def _arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """The dataset's inputs (float32 images, or int64 token ids for a text set) and labels."""
+        p = self.params
+        if self.is_text:
+            from envs.text import StdlibDocsParams
+
+            data = DATASETS.get(p.dataset)(StdlibDocsParams(max_len=p.max_len, per_class=p.per_class), self.cfg.seed)
+            x = np.asarray(data.x, dtype=np.int64)
+        else:
+            data = DATASETS.get(p.dataset)(None, self.cfg.seed)
+            x = np.asarray(data.x, dtype=np.float32)
+        self._num_classes = int(data.num_classes)
+        return x, np.asarray(data.y)
+
     def _load(self) -> None:
         p = self.params
-        data = DATASETS.get(p.dataset)(None, self.cfg.seed)
-        x, y = np.asarray(data.x, dtype=np.float32), np.asarray(data.y)
+        x, y = self._arrays()
         self._tasks = make_tasks(x, y, p.train_pairs, p.test_fraction, self.cfg.seed, balance=True)
         (self._new,) = make_tasks(x, y, [p.new_pair], 0.5, self.cfg.seed, balance=False)  # shot pool | test
+
+    @property
+    def is_text(self) -> bool:
+        return self.params.dataset in TEXT_DATASETS
+
+    @property
+    def num_classes(self) -> int:
+        """Classes of the underlying dataset (the labels pairs are drawn from)."""
+        if self._num_classes is None and self.is_text:
+            from envs.text import STDLIB_FAMILIES
+
+            return len(STDLIB_FAMILIES)  # known without building the text set
+        if self._num_classes is None:
+            self._arrays()
+        return self._num_classes  # type: ignore[return-value]
 
     @property
     def tasks(self) -> list[Task]:
@@ -222,9 +272,9 @@ class LoraMetaLearner(Learner):
         return [int(t) for t in split[partition_id]]
 
     @property
-    def image_shape(self) -> tuple[int, int, int]:
-        c, h, w = self.tasks[0].x_train.shape[1:]
-        return int(c), int(h), int(w)
+    def image_shape(self) -> tuple[int, ...]:
+        """One example's shape: (C, H, W) for images, (max_len,) for token ids."""
+        return tuple(int(d) for d in self.tasks[0].x_train.shape[1:])
 
     def model(self, slots: int) -> LoraNet:
         """A fresh model with ``slots`` adapter slots, base drawn from the run seed."""
@@ -242,11 +292,20 @@ class LoraMetaLearner(Learner):
             raise ConfigError(f"client.params.method must be one of {', '.join(METHODS)}, got {p.method!r}")
         if p.dataset not in DATASET_NAMES:
             raise ConfigError(f"client.params.dataset must be one of {', '.join(DATASET_NAMES)}, got {p.dataset!r}")
+        if p.arch not in ARCHS:
+            raise ConfigError(f"client.params.arch must be one of {', '.join(ARCHS)}, got {p.arch!r}")
+        if self.is_text != (p.arch == "minilm"):
+            raise ConfigError(f"client.params.arch={p.arch} does not fit dataset={p.dataset}: use arch minilm "
+                              f"with a text dataset ({', '.join(TEXT_DATASETS)}) and mlp/mixer with images")
+        if self.is_text and (not 2 <= p.max_len <= 512 or p.per_class < 2):
+            raise ConfigError(f"client.params.max_len must be in [2, 512] (MiniLM's positions) and per_class >= 2, "
+                              f"got {p.max_len} and {p.per_class}")
         pairs = [list(q) for q in p.train_pairs] + [list(p.new_pair)]
         flat = [d for q in pairs for d in q]
-        if any(len(q) != 2 or q[0] == q[1] for q in pairs) or any(not 0 <= d <= 9 for d in flat):
-            raise ConfigError(f"client.params.train_pairs / new_pair must be pairs of two different digits 0-9, "
-                              f"got {pairs}")
+        k = self.num_classes
+        if any(len(q) != 2 or q[0] == q[1] for q in pairs) or any(not 0 <= d < k for d in flat):
+            raise ConfigError(f"client.params.train_pairs / new_pair must be pairs of two different class indices "
+                              f"0-{k - 1} ({p.dataset} has {k} classes), got {pairs}")
         if any(set(p.new_pair) == set(q) for q in p.train_pairs):
             raise ConfigError(f"client.params.new_pair {list(p.new_pair)} is one of the train_pairs; "
                               f"the new task must be unseen")
@@ -261,13 +320,10 @@ class LoraMetaLearner(Learner):
             raise ConfigError("client.params.lr, reptile_inner_lr, reptile_lr, ft_lr must be > 0 (weight_decay >= 0)")
         if not 0.0 < p.test_fraction < 1.0:
             raise ConfigError(f"client.params.test_fraction must be in (0, 1), got {p.test_fraction}")
-        if p.arch not in ("mlp", "mixer"):
-            raise ConfigError(f"client.params.arch must be mlp or mixer, got {p.arch!r}")
         if any(h < 1 for h in p.hidden) or p.dim < 1 or p.depth < 0:
             raise ConfigError("client.params.hidden widths and dim must be >= 1 and depth >= 0")
-        size = self.image_shape[1]
-        if p.arch == "mixer" and (p.patch < 1 or size % p.patch):
-            raise ConfigError(f"client.params.patch must divide the image size {size}, got {p.patch}")
+        if p.arch == "mixer" and (p.patch < 1 or self.image_shape[1] % p.patch):
+            raise ConfigError(f"client.params.patch must divide the image size {self.image_shape[1]}, got {p.patch}")
         if any(not 0 <= s <= p.ft_steps for s in p.curve_points):
             raise ConfigError(f"client.params.curve_points must lie in [0, ft_steps={p.ft_steps}], "
                               f"got {p.curve_points}")
@@ -433,16 +489,18 @@ class LoraMetaLearner(Learner):
         out: dict[str, float] = {}
         checkpoints = set(p.curve_points) | {0}
         for step in range(p.ft_steps + 1):
-            if step in checkpoints:
-                out[f"acc_step{step}"] = _scores(model, new.x_test, new.y_test, slot_t)[1]
             if step == p.ft_steps:
                 break
+            if step in checkpoints:
+                out[f"acc_step{step}"] = _scores(model, new.x_test, new.y_test, slot_t)[1]
             model.train()
             loss = F.cross_entropy(model(xs, slot_s), ys)
             opt.zero_grad()
             loss.backward()
             opt.step()
-        out["loss"], out["acc"] = _scores(model, new.x_test, new.y_test, slot_t)
+        out["loss"], out["acc"] = _scores(model, new.x_test, new.y_test, slot_t)  # scored once at the end
+        if p.ft_steps in checkpoints:
+            out[f"acc_step{p.ft_steps}"] = out["acc"]
         return model, out
 
     def setup_summary(self) -> dict[str, Any]:
@@ -505,7 +563,8 @@ class LoraMetaLearner(Learner):
 def _scores(model: LoraNet, x: torch.Tensor, y: torch.Tensor, slot: torch.Tensor | None) -> tuple[float, float]:
     """(mean cross-entropy, accuracy)."""
     model.eval()
-    logits = model(x, slot)
+    logits = torch.cat([model(x[i:i + EVAL_CHUNK], None if slot is None else slot[i:i + EVAL_CHUNK])
+                        for i in range(0, len(x), EVAL_CHUNK)])
     return float(F.cross_entropy(logits, y)), float((logits.argmax(1) == y).float().mean())
 
 

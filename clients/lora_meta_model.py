@@ -10,6 +10,19 @@ are ``<layer>.lora_a`` (slots × k × in) and ``<layer>.lora_b`` (slots × out �
 Two networks: :class:`LoraMLP` (flatten, ReLU MLP) and :class:`LoraMixer`, a small MLP-Mixer as the
 authors' ``vision/MLP.py`` (patch embedding, pre-norm token-mixing MLP ×4 and channel-mixing MLP
 ×0.5 with GELU, LayerNorm, mean pooling, head; no dropout), adapters on every linear layer, LayerNorms in the base.
+
+A third, :class:`LoraMiniLM` (``arch: minilm``), is the text variant: the offline pretrained MiniLM-L6
+encoder (:func:`fedsim.models.minilm.pretrained_encoder`) whose attention ``query`` and ``value``
+projections (every layer) become :class:`MultiLoraLinear` banks (pretrained weight and bias copied in),
+mean pooling over the non-pad tokens, and a ``MultiLoraLinear`` head (384 → classes) seeded by the
+run.  Its *base* — what retraining trains and a round exchanges — is only the wrapped projections'
+weights and biases plus the head; every other encoder weight stays at the checkpoint, frozen, and is
+neither trained nor exchanged (:meth:`LoraMiniLM.base_state`).  **Deliberate deviation**: the authors'
+language experiment retrains the whole RoBERTa-base; a 22.7M-parameter backward pass through every
+weight does not fit the 2-core CPU budget, so retraining moves ~1.2M parameters (12 projections + head).
+The encoder's dropout (0.1) is switched off (the model always runs the encoder in eval mode), so a
+run depends only on its seeds and batches (the authors keep dropout 0.1); LoRA has no alpha/r scale
+(scale 1, as the vision ``AdapterLinear``).
 """
 
 from __future__ import annotations
@@ -177,11 +190,93 @@ class LoraMixer(LoraNet):
         return self.head(self.norm(z).mean(1), slot)
 
 
-def build(arch: str, image_shape: tuple[int, int, int], num_classes: int, rank: int, slots: int, seed: int,
+class LoraMiniLM(LoraNet):
+    """Pretrained MiniLM-L6 with LoRA banks on attention query/value and on the head (mean pooling).
+
+    ``forward(input_ids, slot)`` takes int64 token ids (n, L) (pad id masked out of attention and
+    pooling) and returns logits (n, classes).  Only the wrapped projections and the head are base
+    parameters; the rest of the encoder is frozen and outside ``state_dict`` exchanges.
+    """
+
+    TARGETS = ("query", "value")
+
+    def __init__(self, num_classes: int, rank: int, slots: int) -> None:
+        super().__init__()
+        import copy
+
+        from fedsim.models.minilm import pretrained_encoder
+
+        self.bert = copy.deepcopy(pretrained_encoder())
+        self.pad_id = int(self.bert.config.pad_token_id or 0)
+        for p in self.bert.parameters():
+            p.requires_grad_(False)
+        self._slot: Tensor | None = None
+        names = [n for n, m in self.bert.named_modules()
+                 if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in self.TARGETS]
+        for name in names:
+            parent_name, _, child = name.rpartition(".")
+            parent = self.bert.get_submodule(parent_name)
+            old: nn.Linear = getattr(parent, child)
+            new = _SlotLoraLinear(self, old.in_features, old.out_features, rank, slots)
+            with torch.no_grad():
+                new.weight.copy_(old.weight)
+                new.bias.copy_(old.bias)
+            setattr(parent, child, new)
+        self.head = MultiLoraLinear(self.bert.config.hidden_size, num_classes, rank, slots)
+        self.reset_adapters()
+
+    def train(self, mode: bool = True) -> "LoraMiniLM":
+        super().train(mode)
+        self.bert.eval()  # no dropout (see the module doc)
+        return self
+
+    def _base_keys(self) -> set[str]:
+        wrapped = [n for n, m in self.named_modules() if isinstance(m, MultiLoraLinear)]
+        return {f"{n}.{w}" for n in wrapped for w in ("weight", "bias")}
+
+    def base_state(self) -> dict[str, Tensor]:
+        """The trainable base only: wrapped query/value weights and biases, head (detached copies)."""
+        keys = self._base_keys()
+        return {k: v.detach().clone() for k, v in self.state_dict().items() if k in keys}
+
+    def base_parameters(self) -> list[nn.Parameter]:
+        keys = self._base_keys()
+        return [p for k, p in self.named_parameters() if k in keys]
+
+    def forward(self, x: Tensor, slot: Tensor | None = None) -> Tensor:
+        mask = x != self.pad_id
+        self._slot = slot
+        try:
+            hidden = self.bert(input_ids=x, attention_mask=mask.long()).last_hidden_state
+        finally:
+            self._slot = None
+        weights = mask.unsqueeze(-1).to(hidden.dtype)
+        pooled = (hidden * weights).sum(1) / weights.sum(1).clamp_min(1.0)
+        return self.head(pooled, slot)
+
+
+class _SlotLoraLinear(MultiLoraLinear):
+    """A ``MultiLoraLinear`` inside the encoder: BERT calls it with the hidden states only, so the
+    per-sample slots come from the owning :class:`LoraMiniLM`'s current forward call."""
+
+    def __init__(self, owner: LoraMiniLM, in_features: int, out_features: int, rank: int, slots: int) -> None:
+        super().__init__(in_features, out_features, rank, slots)
+        object.__setattr__(self, "_owner", owner)  # not a submodule (no cycle in modules())
+
+    def forward(self, x: Tensor, slot: Tensor | None = None) -> Tensor:
+        return super().forward(x, self._owner._slot if slot is None else slot)
+
+
+def build(arch: str, image_shape: tuple[int, ...], num_classes: int, rank: int, slots: int, seed: int,
           hidden: list[int], patch: int, dim: int, depth: int) -> LoraNet:
-    """A network whose base is drawn from ``seed`` (adapters: reset them with their own seeds)."""
+    """A network whose base is drawn from ``seed`` (adapters: reset them with their own seeds).
+
+    ``arch: minilm`` ignores ``image_shape`` (token ids of any length ≤ 512), ``hidden``, ``patch``,
+    ``dim`` and ``depth``; its base is the pretrained checkpoint plus a head drawn from ``seed``."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
+        if arch == "minilm":
+            return LoraMiniLM(num_classes, rank, slots)
         if arch == "mixer":
             return LoraMixer(image_shape, patch, dim, depth, 4.0, 0.5, num_classes, rank, slots)
         return LoraMLP(int(math.prod(image_shape)), hidden, num_classes, rank, slots)

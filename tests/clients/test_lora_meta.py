@@ -200,3 +200,89 @@ def test_final_report_summarises_the_rounds_and_plots(tmp_path) -> None:
     assert metrics["new_task/acc_mean_rounds"] == pytest.approx(sum(accs[1:]) / 3)
     assert metrics["new_task/acc_best_round"] == max(accs[1:])
     assert [f.name for f in files] == ["lora_meta_new_task.png"] and files[0].stat().st_size > 0
+
+
+# -- the MiniLM text variant (stdlib_docs family pairs) -----------------------------------------------------------
+
+TEXT_TINY = ["client.params.max_len=16", "client.params.per_class=20", "client.params.local_steps=2",
+             "client.params.batch_size=2", "client.params.shots=4", "client.params.ft_steps=2",
+             "client.params.ft_repeats=1", "client.params.curve_points=[0,2]",
+             "client.params.train_pairs=[[0,1],[2,3]]"]
+
+
+def text_cfg_of(*overrides: str, rounds: int = 1, clients: int = 1) -> C.ExperimentConfig:
+    cfg = C.load_config("peft_meta_text", [*TEXT_TINY, *overrides], {"rounds": rounds, "clients": clients})
+    cfg.tracking.enabled = False
+    cfg.engine.checkpoint = False
+    return cfg
+
+
+@pytest.fixture(autouse=False)
+def two_threads():
+    old = torch.get_num_threads()
+    torch.set_num_threads(min(old, 2))
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.mark.slow  # 1-13 s (12.8 s at load ~4): the first MiniLM encoder load in the process
+def test_minilm_fresh_adapter_leaves_the_output_unchanged(two_threads) -> None:
+    """B = 0: the MiniLM model with adapter slots computes the plain one, whatever the slot; only the
+    wrapped query/value projections and the head are base (the rest of the encoder is frozen, not exchanged)."""
+    with_slots = build("minilm", (8,), 2, 1, 3, seed=0, hidden=[], patch=1, dim=1, depth=0)
+    plain = build("minilm", (8,), 2, 1, 0, seed=0, hidden=[], patch=1, dim=1, depth=0)
+    with_slots.reset_adapters([5, 6, 7])
+    base = with_slots.base_state()
+    assert base.keys() == plain.base_state().keys()
+    assert all(torch.equal(v, plain.base_state()[k]) for k, v in base.items())
+    assert len(base) == 2 * (2 * 6 + 1) and all(k.endswith(("query.weight", "query.bias", "value.weight",
+                                                             "value.bias")) or k.startswith("head.") for k in base)
+    assert all(not q.requires_grad for k, q in with_slots.named_parameters()
+               if k not in base and not k.endswith(("lora_a", "lora_b")))  # the rest of the encoder: frozen
+    x = torch.randint(1000, 5000, (3, 8))
+    x[0, 5:] = 0  # padding
+    slot = torch.tensor([0, 1, 2])
+    with torch.no_grad():
+        assert torch.allclose(with_slots(x, slot), plain(x), atol=1e-5)
+        _perturb_adapters(with_slots, 0.05)
+        assert not torch.allclose(with_slots(x, slot), plain(x), atol=1e-4)
+        # per-sample adapters inside the encoder: sample 1 through slot 1 alone = the same sample in a mixed batch
+        assert torch.allclose(with_slots(x[1:2], torch.tensor([1])), with_slots(x, slot)[1:2], atol=1e-5)
+
+
+@pytest.mark.slow  # 3.5-18 s (18 s at load ~4): builds the stdlib_docs set (parse + tokenise) the first time
+def test_minilm_tasks_are_token_ids_and_adaptation_trains_only_the_fresh_adapter(two_threads) -> None:
+    learner = get_learner(RunSpec.from_config(text_cfg_of()))
+    learner.preflight()
+    task = learner.tasks[0]
+    assert task.x_train.dtype == torch.int64 and task.x_train.shape[1:] == (16,) and task.pair == (0, 1)
+    assert learner.num_classes == 10 and len(learner.new_task.y_test) == 20  # half of 2 x 20 paragraphs
+    arrays = learner.init_arrays()
+    frozen_before = {k: v.clone() for k, v in learner.model(1).state_dict().items()
+                     if k not in arrays and not k.endswith(("lora_a", "lora_b"))}
+    model, out = learner.fit_new_lora(arrays, 0)
+    assert all(torch.equal(v, arrays[k]) for k, v in model.base_state().items())  # base frozen
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in frozen_before.items())  # encoder untouched
+    assert model.slots == 1 and set(out) >= {"acc", "loss", "acc_step0", "acc_step2"}
+    moved = [layer for layer in model.lora_layers() if float(layer.lora_b.detach().abs().sum()) > 0]
+    assert len(moved) == len(model.lora_layers()) == 13  # 6 x (query, value) + head: the fresh adapter trained
+
+
+@pytest.mark.parametrize("override, clients", [
+    ("client.params.new_pair=[8,10]", 1), ("client.params.arch=mixer", 1), ("client.params.max_len=1", 1)])
+def test_minilm_bad_params_are_one_line_config_errors(override: str, clients: int) -> None:
+    with pytest.raises(ConfigError) as err:
+        get_learner(RunSpec.from_config(text_cfg_of(override, clients=clients))).preflight()
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.slow
+def test_minilm_text_variant_runs_end_to_end_and_same_seed_same_history(two_threads) -> None:
+    cfg = text_cfg_of()
+    first, again = run_experiment(cfg), run_experiment(cfg)
+    assert first.history.as_rows() == again.history.as_rows()
+    final = first.history.final()
+    for key in ("eval/new_task_acc", "eval/new_task_acc_before", "eval/new_task_acc_step2", "eval/new_task_loss",
+                "eval/train_tasks_acc", "train/loss", "new_task/acc_final"):
+        assert key in final, key
+    assert set(first.final_arrays) == set(get_learner(RunSpec.from_config(cfg)).init_arrays())  # no adapters travel
