@@ -159,6 +159,15 @@ class LoraMetaParams:
     curve_points: list[int] = field(default_factory=lambda: [0, 10, 25, 50, 100])  # fine-tuning steps logged
 
 
+def _train_step(opt: torch.optim.Optimizer, logits: torch.Tensor, y: torch.Tensor) -> tuple[float, int]:
+    """One optimiser step on the cross-entropy of ``logits``; returns (loss, correct predictions)."""
+    loss = F.cross_entropy(logits, y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss.item(), int((logits.argmax(1) == y).sum())
+
+
 @dataclass
 class Task:
     """One binary task: training and test inputs (images float32 N × 1 × H × W, or token ids int64
@@ -396,13 +405,9 @@ class LoraMetaLearner(Learner):
         losses, correct, seen = [], 0, 0
         for _ in range(p.local_steps):
             x, y, slot = self._batch(task_ids, streams)
-            logits = model(x, slot if adapters else None)
-            loss = F.cross_entropy(logits, y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-            correct += int((logits.argmax(1) == y).sum())
+            loss, hits = _train_step(opt, model(x, slot if adapters else None), y)
+            losses.append(loss)
+            correct += hits
             seen += len(y)
         return float(np.mean(losses)), correct / seen
 
@@ -423,13 +428,9 @@ class LoraMetaLearner(Learner):
             for _ in range(p.local_steps):
                 idx = next(stream)
                 x, y = self.tasks[t].x_train[idx], self.tasks[t].y_train[idx]
-                logits = model(x)
-                loss = F.cross_entropy(logits, y)
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                losses.append(loss.item())
-                correct += int((logits.argmax(1) == y).sum())
+                loss, hits = _train_step(opt, model(x), y)
+                losses.append(loss)
+                correct += hits
                 seen += len(y)
             deltas.append({k: v - arrays[k] for k, v in model.base_state().items()})
         eps = self.reptile_step_size(server_round)
