@@ -102,7 +102,8 @@ def cmd_list() -> int:
     table.add_column("description")
     for name in C.list_experiments():
         data = C.read_yaml(C.EXPERIMENTS_DIR / f"{name}.yaml")
-        kind = f"central: {data['method']}" if "method" in data else "federated"
+        learner = (data.get("client") or {}).get("learner", "supervised")
+        kind = f"central: {data['method']}" if "method" in data else f"engine: {learner}"  # centralised = 1 node
         table.add_row(name, kind, str(data.get("description", "")).strip().split("\n")[0])
     Console().print(table)
     return 0
