@@ -272,7 +272,7 @@ def _run_trials(pending: list[tuple[dict[str, Any], int, C.ExperimentConfig]], u
             run_config=tune.RunConfig(
                 name=f"fedsim-sweep-{parent_id}", storage_path=str(Path.cwd() / "fedsim-sweeps"), verbose=0,
                 failure_config=tune.FailureConfig(max_failures=0, fail_fast=False),
-                callbacks=[_ProgressCallback(progress, by_id, on_progress, on_message)]),
+                callbacks=[_progress_callback(progress, by_id, on_progress, on_message)]),
         )
         with _quiet_tune():
             tuner.fit()
@@ -301,39 +301,39 @@ def _make_trainable(uri: str, parent_id: str, spec: SweepSpec,
     return trainable
 
 
-class _ProgressCallback:  # built lazily as a tune.Callback subclass (see __new__)
-    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        from ray.tune import Callback
+def _progress_callback(*args: Any) -> Any:
+    """A Ray Tune callback keeping the trial counts (the class is defined here: ray imports lazily)."""
+    from ray.tune import Callback
 
-        class ProgressCallback(Callback):
-            def __init__(self, progress: SweepProgress, by_id: dict[str, tuple[str, Any]],
-                         on_progress: Callable[[SweepProgress], None], on_message: Callable[[str], None]) -> None:
-                self.progress, self.by_id, self.on_progress, self.on_message = progress, by_id, on_progress, on_message
+    class ProgressCallback(Callback):
+        def __init__(self, progress: SweepProgress, by_id: dict[str, tuple[str, Any]],
+                     on_progress: Callable[[SweepProgress], None], on_message: Callable[[str], None]) -> None:
+            self.progress, self.by_id, self.on_progress, self.on_message = progress, by_id, on_progress, on_message
 
-            def __getstate__(self) -> dict[str, Any]:  # Tune saves its state: the driver-side hooks stay out
-                return {"progress": self.progress, "by_id": self.by_id}
+        def __getstate__(self) -> dict[str, Any]:  # Tune saves its state: the driver-side hooks stay out
+            return {"progress": self.progress, "by_id": self.by_id}
 
-            def __setstate__(self, state: dict[str, Any]) -> None:
-                self.__dict__.update(state, on_progress=lambda p: None, on_message=lambda m: None)
+        def __setstate__(self, state: dict[str, Any]) -> None:
+            self.__dict__.update(state, on_progress=lambda p: None, on_message=lambda m: None)
 
-            def on_trial_start(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-                self.progress.running += 1
-                self.on_progress(self.progress)
+        def on_trial_start(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+            self.progress.running += 1
+            self.on_progress(self.progress)
 
-            def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-                self.progress.running -= 1
-                self.progress.done += 1
-                self.on_progress(self.progress)
+        def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+            self.progress.running -= 1
+            self.progress.done += 1
+            self.on_progress(self.progress)
 
-            def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-                self.progress.running -= 1
-                self.progress.failed += 1
-                name = self.by_id[trial.config["trial"]][0]
-                self.progress.failures.append(name)
-                self.on_message(f"trial failed: {_trial_error(trial) or name}")
-                self.on_progress(self.progress)
+        def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+            self.progress.running -= 1
+            self.progress.failed += 1
+            name = self.by_id[trial.config["trial"]][0]
+            self.progress.failures.append(name)
+            self.on_message(f"trial failed: {_trial_error(trial) or name}")
+            self.on_progress(self.progress)
 
-        return ProgressCallback(*args, **kwargs)
+    return ProgressCallback(*args)
 
 
 def _trial_error(trial: Any) -> str:
