@@ -34,9 +34,11 @@ Systems, each timed end to end (one call, what a user waits for):
   (``client_resources num_cpus=1``, Ray may use every core), Flower's own ``FedAvg.start`` in
   the ServerApp with the same ``evaluate_fn``.  Its local training is the raw loop's function, so
   only the framework differs.  Ray start and shutdown are included.
-* ``local``, ``vectorise``, ``ray``, ``fedsim-flower``: ``fedsim.runner.run_experiment`` with
-  ``engine.name=local``, ``local`` + ``engine.vectorise=true``, ``engine.name=ray``,
-  ``engine.name=flower``; MLflow tracking off, ``engine.checkpoint=false`` (``--checkpoint``
+* ``local``, ``sequential``, ``vectorise``, ``ray``, ``fedsim-flower``: ``fedsim.runner.run_experiment``
+  with ``engine.name=local`` as it ships (``engine.vectorise=auto``: the cohort is vectorised where that
+  is exact and measured faster, see ``benchmarks/bench_vectorise.py``), ``local`` with
+  ``engine.vectorise=false`` (clients one by one), ``local`` + ``engine.vectorise=true``,
+  ``engine.name=ray``, ``engine.name=flower``; MLflow tracking off, ``engine.checkpoint=false`` (``--checkpoint``
   turns it on), ``engine.threads_per_client=1``.  Included: preflight, learner set-up, Ray
   start/stop for Ray engines and their workers' data building.  An engine that fails, or that
   silently falls back to another one (the vectorised path trains clients one by one; the ray
@@ -53,7 +55,7 @@ timed too, as the floor of the Ray systems' fixed cost.
 
     python benchmarks/bench_engine.py                 # all workloads and systems, 3 rounds
     python benchmarks/bench_engine.py --quick         # mlp-100, 1 round (meant for under a minute)
-    python benchmarks/bench_engine.py --workloads mlp-1000 --systems raw,local,vectorise
+    python benchmarks/bench_engine.py --workloads mlp-1000 --systems raw,local,sequential,vectorise
     python benchmarks/bench_engine.py --csv engine.csv
 """
 
@@ -105,12 +107,14 @@ WORKLOADS: dict[str, Workload] = {
 SYSTEMS: dict[str, str] = {
     "raw": "raw PyTorch",
     "local": "fedsim local",
+    "sequential": "fedsim local, sequential",
     "vectorise": "fedsim local+vectorise",
     "ray": "fedsim ray",
     "fedsim-flower": "fedsim flower",
     "flower": "stock Flower",
 }
-FEDSIM_SYSTEMS = ("local", "vectorise", "ray", "fedsim-flower")
+FEDSIM_SYSTEMS = ("local", "sequential", "vectorise", "ray", "fedsim-flower")
+IN_PROCESS_SYSTEMS = ("raw", "local", "sequential", "vectorise")
 RAY_SYSTEMS = ("ray", "fedsim-flower", "flower")
 
 
@@ -129,7 +133,7 @@ def get_workload(name: str) -> Workload:
 QUICK_WORKLOADS = ("mlp-100",)
 
 
-def workload_config(w: Workload, rounds: int, engine: str = "local", vectorise: bool = False,
+def workload_config(w: Workload, rounds: int, engine: str = "local", vectorise: bool | str = "auto",
                     checkpoint: bool = False, seed: int = 0) -> C.ExperimentConfig:
     """The fedsim experiment of workload ``w`` (also the single source of the raw/stock settings)."""
     if w.model == "mlp":
@@ -389,8 +393,9 @@ class NotAvailable(Exception):
 
 
 def fedsim_config(w: Workload, system: str, rounds: int, checkpoint: bool) -> C.ExperimentConfig:
-    engine = {"local": "local", "vectorise": "local", "ray": "ray", "fedsim-flower": "flower"}[system]
-    return workload_config(w, rounds, engine=engine, vectorise=system == "vectorise", checkpoint=checkpoint)
+    engine = {"local": "local", "sequential": "local", "vectorise": "local", "ray": "ray", "fedsim-flower": "flower"}[system]
+    vectorise = {"sequential": False, "vectorise": True}.get(system, "auto")
+    return workload_config(w, rounds, engine=engine, vectorise=vectorise, checkpoint=checkpoint)
 
 
 def run_fedsim(cfg: C.ExperimentConfig, system: str) -> Outcome:
@@ -411,7 +416,12 @@ def run_fedsim(cfg: C.ExperimentConfig, system: str) -> Outcome:
                            "model)")
     if system == "ray" and not clock.ray_up:
         raise NotAvailable("not built yet: engine.name=ray ran without Ray")
-    note = f"{counter.calls}/{sequential} client calls sequential" if system == "vectorise" and counter.calls else ""
+    note = ""
+    if system == "vectorise" and counter.calls:
+        note = f"{counter.calls}/{sequential} client calls sequential"
+    elif system == "local" and cfg.engine.name == "local":  # what engine.vectorise=auto chose
+        note = "auto: sequential" if counter.calls >= sequential else (
+            "auto: vectorised" if not counter.calls else f"auto: {counter.calls}/{sequential} calls sequential")
     final = summary.history.final()
     return Outcome(end - t0, clock.times, float(final.get("eval/accuracy", math.nan)), summary.final_arrays, note)
 
@@ -474,6 +484,7 @@ def warm_up(w: Workload) -> None:
 
     cfg = workload_config(w, rounds=1)
     federated_data(cfg)
+    run_experiment(workload_config(w, rounds=1, vectorise=False))
     run_raw(cfg)
     run_experiment(cfg)
 
@@ -496,7 +507,7 @@ def run_benchmark(workloads: list[str], systems: list[str], rounds: int = 3, rep
             log(f"{wname}: {reason}")
             rows.extend(Row(wname, system, note=reason) for system in SYSTEMS if system in systems)
             continue
-        if not warmed and any(s in ("raw", "local", "vectorise") for s in systems):
+        if not warmed and any(s in IN_PROCESS_SYSTEMS for s in systems):
             warmed = True
             try:
                 warm_up(w)
@@ -564,9 +575,10 @@ def _fill_ratios(results: dict[str, Row], arrays: dict[str, Any]) -> None:
 def targets(rows: list[Row]) -> list[tuple[str, str, str]]:
     """The issue's targets.
 
-    fedsim/raw is the sequential ``local`` engine's overhead over the raw loop (same algorithm; the best
-    engine is named beside it); flower/fedsim uses the fastest fedsim engine; the vectorised speed-up
-    is local / local+vectorise on mlp-1000.
+    fedsim/raw is the ``local`` engine's overhead over the raw loop as fedsim ships it
+    (``engine.vectorise=auto``; the sequential engine's ratio and the best engine are named beside
+    it); flower/fedsim uses the fastest fedsim engine; the vectorised speed-up is sequential /
+    local+vectorise on mlp-1000.
     """
     out: list[tuple[str, str, str]] = []
     by = {(r.workload, r.system): r for r in rows}
@@ -579,10 +591,15 @@ def targets(rows: list[Row]) -> list[tuple[str, str, str]]:
     for wname in dict.fromkeys(r.workload for r in rows):
         clients = get_workload(wname).num_clients
         if clients == 100:
-            loc = by.get((wname, "local"))
+            loc, seq = by.get((wname, "local")), by.get((wname, "sequential"))
             ratio = loc.fedsim_over_raw if loc is not None else None
             r = best(wname, lambda r: r.fedsim_over_raw, high=False)
-            extra = f" (best: {SYSTEMS[r.system]} {r.fedsim_over_raw:.2f})" if r is not None and r is not loc else ""
+            notes = [f"{loc.note}"] if loc is not None and loc.note.startswith("auto") else []
+            if seq is not None and seq.fedsim_over_raw is not None:
+                notes.append(f"sequential {seq.fedsim_over_raw:.2f}")
+            if r is not None and r is not loc and r is not seq:
+                notes.append(f"best: {SYSTEMS[r.system]} {r.fedsim_over_raw:.2f}")
+            extra = f" ({'; '.join(notes)})" if notes else ""
             out.append((f"{wname}: fedsim local/raw <= 1.10", (f"{ratio:.2f}" if ratio is not None else "n/a") + extra,
                         _verdict(ratio is not None and ratio <= 1.10, ratio is not None)))
         if clients == 1000:
@@ -591,10 +608,10 @@ def targets(rows: list[Row]) -> list[tuple[str, str, str]]:
                         f"{r.flower_over_fedsim:.1f} ({SYSTEMS[r.system]})" if r else "n/a",
                         _verdict(r is not None and r.flower_over_fedsim >= 10, r is not None)))
         if wname == "mlp-1000":
-            loc, vec = by.get((wname, "local")), by.get((wname, "vectorise"))
-            ok = loc is not None and vec is not None and loc.available and vec.available
-            speed = loc.total_s / vec.total_s if ok else None  # type: ignore[union-attr,operator]
-            out.append((f"{wname}: vectorised >= 3x local", f"{speed:.2f}x" if speed else "n/a",
+            seq, vec = by.get((wname, "sequential")), by.get((wname, "vectorise"))
+            ok = seq is not None and vec is not None and seq.available and vec.available
+            speed = seq.total_s / vec.total_s if ok else None  # type: ignore[union-attr,operator]
+            out.append((f"{wname}: vectorised >= 3x sequential", f"{speed:.2f}x" if speed else "n/a",
                         _verdict(speed is not None and speed >= 3, speed is not None)))
     return out
 

@@ -12,8 +12,10 @@ daemon thread joined with that limit.  A call that overruns is abandoned with a 
 abandoned thread may still be using the learner, so the next call builds a fresh one.
 
 With ``engine.vectorise`` a round's training messages are answered together by
-:func:`clients.vectorised.train_cohort` (exactly the sequential result); the per-call deadline does
-not split a batched cohort, the round deadline still bounds the round.
+:func:`clients.vectorised.train_cohort` (the sequential result to float tolerance): ``true`` wherever
+that is exact (a refusal is logged as a warning), ``auto`` (the default) only where it is exact and
+measured faster (:func:`clients.vectorised.auto_vectorise`; a refusal is logged at debug level).  The
+per-call deadline does not split a batched cohort; the round deadline still bounds the round.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ class InProcessGrid(Grid):
                  client_timeout: float | None = None, vectorise_spec: RunSpec | None = None) -> None:
         self.client_app = client_app
         self.client_timeout = client_timeout
-        self.vectorise_spec = vectorise_spec  # set: train a round's cohort together (engine.vectorise)
+        self.vectorise_spec = vectorise_spec  # set: train a round's cohort together (engine.vectorise true/auto)
         self._vectorise_refused: str | None = None
         self._run_id = run_id
         self._deadline: float | None = None
@@ -91,7 +93,7 @@ class InProcessGrid(Grid):
         Clients with an injected fault, and every client when the cohort cannot be vectorised
         exactly (the reason is logged once) or the batched call raises, go the sequential way.
         """
-        from clients.vectorised import train_cohort, vectorise_unsupported
+        from clients.vectorised import auto_vectorise, train_cohort, vectorise_unsupported
         from fedsim.engine.runtime import (ATTEMPT, _decoded, get_learner, injected_fault, node_context, torch_threads,
                                            train_reply)
 
@@ -109,10 +111,12 @@ class InProcessGrid(Grid):
         if len(msgs) < 2:
             return {}
         learner = get_learner(spec)
-        reason = vectorise_unsupported(learner, ctxs)
+        auto = cfg.engine.vectorise == "auto"
+        reason = (auto_vectorise if auto else vectorise_unsupported)(learner, ctxs)
         if reason is not None:
             if reason != self._vectorise_refused:
-                log.warning("engine.vectorise: training clients one by one, because %s", reason)
+                log.log(logging.DEBUG if auto else logging.WARNING,
+                        "engine.vectorise: training clients one by one, because %s", reason)
                 self._vectorise_refused = reason
             return {}
         try:
@@ -183,6 +187,6 @@ def client_time_limit(spec: RunSpec) -> float | None:
 
 def run_local(spec: RunSpec, observers: list[RoundObserver], **server_kwargs) -> ServerResult:
     grid = InProcessGrid(build_client_app(spec), spec.cfg.num_clients, client_timeout=client_time_limit(spec),
-                         vectorise_spec=spec if spec.cfg.engine.vectorise else None)
+                         vectorise_spec=spec if spec.cfg.engine.vectorise is not False else None)
     with server_identity(run_id=1):
         return run_server(grid, spec, observers, **server_kwargs)

@@ -10,7 +10,8 @@ import torch
 from clients.base import NodeContext, StateDict, TrainResult
 from clients.supervised import PROXIMAL_MU, SupervisedLearner, SupervisedParams, iterate_batches
 from clients.transforms import PHOENIX, PHOENIX_RESET_ROUNDS, PHOENIX_SEED, PHOENIX_THETA, TRANSFORM_KEY
-from clients.vectorised import batch_schedule, train_cohort, vectorise_unsupported
+import clients.vectorised as vectorised
+from clients.vectorised import auto_vectorise, batch_schedule, train_cohort, vectorise_unsupported
 from fedsim import config as C
 
 N = 8
@@ -171,3 +172,34 @@ def test_adapter_models_are_unsupported() -> None:
     lrn = learner(*MLP)
     lrn.model.federated_keys = lambda include_base=False: []  # as the LoRA wrappers declare them
     assert "adapter" in (vectorise_unsupported(lrn, ctxs()) or "")
+
+
+# -- engine.vectorise=auto --------------------------------------------------------------------------
+
+def test_auto_vectorises_a_small_mlp_cohort() -> None:
+    assert auto_vectorise(learner(*MLP), ctxs()) is None
+
+
+def test_auto_keeps_convolutions_sequential() -> None:
+    lrn = learner(*CNN)
+    assert vectorise_unsupported(lrn, ctxs()) is None  # exact, but not measured faster
+    reason = auto_vectorise(lrn, ctxs())
+    assert reason is not None and "Conv2d" in reason and "engine.vectorise=true" in reason
+
+
+def test_auto_keeps_big_steps_sequential(monkeypatch) -> None:
+    lrn = learner(*MLP)  # 64*32+32 + 32*10+10 = 2,442 parameters, batch 32 at most
+    params = sum(p.numel() for p in lrn.model.parameters())
+    largest = max(len(lrn.data.client_train(c.partition_id, 1).y) for c in ctxs())
+    work = params * min(largest, lrn.cfg.client.batch_size)
+    monkeypatch.setattr(vectorised, "AUTO_MAX_STEP_WORK", work)
+    assert auto_vectorise(lrn, ctxs()) is None
+    monkeypatch.setattr(vectorised, "AUTO_MAX_STEP_WORK", work - 1)
+    reason = auto_vectorise(lrn, ctxs())
+    assert reason is not None and f"{work:,} parameter-examples" in reason
+
+
+def test_auto_needs_two_clients_and_an_exact_cohort() -> None:
+    assert auto_vectorise(learner(*MLP), ctxs()[:1]) == "a cohort of one client"
+    reason = auto_vectorise(learner(*MLP[:1], "model.params={hidden: [8], dropout: 0.2}"), ctxs())
+    assert reason is not None and "dropout" in reason

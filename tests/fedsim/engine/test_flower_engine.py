@@ -1,5 +1,6 @@
 """Flower's simulation runtime (Ray backend) runs the same strategy and ClientApp as the local
-engine and gives bit-identical per-round metrics for the same seed."""
+engine and gives bit-identical per-round metrics for the same seed (the local engine's default
+vectorised cohort: the same to float tolerance)."""
 
 from __future__ import annotations
 
@@ -23,9 +24,13 @@ def test_local_and_flower_give_identical_history() -> None:
     overrides = ("data.partition.name=dirichlet", "data.partition.min_partition_size=5",
                  "strategy.fraction_train=1.0", "strategy.fraction_evaluate=0.5",
                  "engine.faults.fail_partitions=[2]", "engine.faults.fail_rounds=[2]")
-    local = run_experiment(digits_cfg("local", *overrides))
+    local = run_experiment(digits_cfg("local", *overrides, "engine.vectorise=false"))
     flower = run_experiment(digits_cfg("flower", *overrides))
     assert flower.history.as_rows() == local.history.as_rows()
+    auto = run_experiment(digits_cfg("local", *overrides)).history.as_rows()  # engine.vectorise=auto
+    assert len(auto) == len(local.history.as_rows())
+    for a, b in zip(auto, flower.history.as_rows()):
+        assert a.keys() == b.keys() and all(a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6) for k in a)
     # the injected failure went through Flower's runtime as an error reply, counted in round 2
     assert [r.clients_ok for r in flower.history.records] == [0, 6, 5]
     assert flower.history.records[2].clients_failed >= 1

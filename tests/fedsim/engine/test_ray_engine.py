@@ -99,7 +99,7 @@ def local_ray():
 @pytest.mark.timeout(600)  # a hang guard, not a speed check
 def test_ray_engine_matches_local_engine(local_ray, caplog) -> None:
     """Same per-round metrics; partition 3 on a dedicated actor, the others on a pool of one."""
-    local = run_experiment(digits(engine="local"))
+    local = run_experiment(digits("engine.vectorise=false", engine="local"))  # bit-identical: clients one by one
     with caplog.at_level("INFO", logger="fedsim"):
         ray_run = run_experiment(digits("engine.ray.num_actors=1", "engine.ray.client_resources.3.num_cpus=1"))
     ray_rows = ray_run.history.as_rows()
