@@ -13,7 +13,8 @@ point where it stays sequential although vectorising would be more than 5% faste
     python benchmarks/bench_vectorise.py --quick    # a handful of points
 
 Timing: ``--rounds`` rounds (default 3) per engine; the mean time of rounds 2..R (round 1 holds the
-learner's set-up), the median over ``--repeat`` runs.  One torch thread, as in ``bench_engine.py``.
+learner's set-up), the median over ``--repeat`` runs.  A point that comes out ``WRONG`` is timed again
+(median of 3) before its verdict, so one scheduling spike on a busy machine does not decide it.  One torch thread, as in ``bench_engine.py``.
 """
 
 from __future__ import annotations
@@ -147,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
         vec = steady_round_s(point_config(p, args.rounds, "true"), args.repeat)
         picks = auto_choice(point_config(p, args.rounds, "auto"))
         ratio = seq / vec
+        if picks and ratio < 0.95 and args.repeat < 3:  # a loaded machine's spike, or real? time it again
+            seq = steady_round_s(point_config(p, args.rounds, "false"), 3)
+            vec = steady_round_s(point_config(p, args.rounds, "true"), 3)
+            ratio = seq / vec
         ok = not (picks and ratio < 0.95)  # within 5% is a tie
         missed = not picks and ratio > 1.05
         wrong += not ok

@@ -39,12 +39,12 @@ A failure anywhere (e.g. a transform raising for one client) fails the whole cal
 needs per-client failure semantics falls back to sequential training then.
 
 ``engine.vectorise=auto`` (the default) vectorises only where it is exact *and* measured faster
-(:func:`auto_vectorise`): models of ``Linear`` layers with a per-client step of at most
-:data:`AUTO_MAX_STEP_WORK` parameter-examples.  ``benchmarks/bench_vectorise.py`` times both paths
+(:func:`auto_vectorise`): models of ``Linear`` layers with at most :data:`AUTO_MAX_PARAMS` parameters
+and a per-client step of at most :data:`AUTO_MAX_STEP_WORK` parameter-examples.  ``benchmarks/bench_vectorise.py`` times both paths
 over a grid of MLPs, a logistic regression and the small CNN (10-1000 clients, 4-400 examples,
 batch 16/64, SGD/Adam) and fails if ``auto`` vectorises anywhere the cohort is slower; convolutions
 stay sequential because the batched kernels lose to one-by-one training there at 10-100 clients
-(0.4-0.6x).
+(0.4-0.6x), and so do MLPs past 30k parameters (a 784-128-4 MLP: 0.8-0.9x at 1000 clients).
 
 Measured speed (MLP ``hidden=[32]``, 200 clients, 1 local epoch at batch 16, momentum 0.9,
 ``torch.set_num_threads(1)``, best of 3 on a loaded 2-core machine): MNIST iid (16 examples, 1 step
@@ -128,9 +128,14 @@ def vectorise_unsupported(learner: Learner, ctxs: list[NodeContext]) -> str | No
 #: Parametrised layers the ``auto`` rule vectorises: on them the batched kernels beat one-by-one
 #: training across the grid of ``benchmarks/bench_vectorise.py``; on convolutions they do not.
 AUTO_LAYERS: tuple[type[nn.Module], ...] = (nn.Linear,)
+#: The largest model the ``auto`` rule vectorises, in trainable parameters.  The stacked update of a
+#: chunk of clients moves chunk x parameters x (weights, gradients, optimiser state) per step; at
+#: 101k parameters (784-128-4) and 1000 clients of 4 examples that lost to one-by-one training
+#: (0.82-0.92x), at 25.6k (20-1024-4) it won everywhere measured (1.03-2.3x).
+AUTO_MAX_PARAMS = 30_000
 #: The largest per-client step the ``auto`` rule vectorises, in parameters x examples per batch.
 #: Beyond it the cohort's compute, not Python's per-client overhead, dominates and the measured
-#: gain turns into a tie or a loss (an MLP of 25k parameters at batch 64: 1.03-1.07x).
+#: gain shrinks to a tie or a loss (25.6k parameters at batch 64: 1.03-1.07x in one run).
 AUTO_MAX_STEP_WORK = 1_000_000
 
 
@@ -139,8 +144,8 @@ def auto_vectorise(learner: Learner, ctxs: list[NodeContext]) -> str | None:
 
     Vectorised where it is exact (:func:`vectorise_unsupported`) and measured faster
     (``benchmarks/bench_vectorise.py``): a cohort of at least two clients, a model whose parametrised
-    layers are all :data:`AUTO_LAYERS`, and a per-client step (trainable parameters x examples per
-    batch) of at most :data:`AUTO_MAX_STEP_WORK`.
+    layers are all :data:`AUTO_LAYERS`, at most :data:`AUTO_MAX_PARAMS` trainable parameters and a
+    per-client step (trainable parameters x examples per batch) of at most :data:`AUTO_MAX_STEP_WORK`.
     """
     if len(ctxs) < 2:
         return "a cohort of one client"
@@ -152,8 +157,12 @@ def auto_vectorise(learner: Learner, ctxs: list[NodeContext]) -> str | None:
         if any(True for _ in m.parameters(recurse=False)) and not isinstance(m, AUTO_LAYERS):
             return (f"module {name!r} ({type(m).__name__}) is not a layer the auto rule vectorises "
                     f"({', '.join(t.__name__ for t in AUTO_LAYERS)}; engine.vectorise=true forces it)")
+    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if params > AUTO_MAX_PARAMS:
+        return (f"the model's {params:,} trainable parameters are past the {AUTO_MAX_PARAMS:,} up to which the "
+                f"vectorised cohort was measured faster (engine.vectorise=true forces it)")
     largest = max(len(learner.data.client_train(c.partition_id, c.server_round).y) for c in ctxs)  # type: ignore[attr-defined]
-    work = sum(p.numel() for p in model.parameters() if p.requires_grad) * min(largest, learner.cfg.client.batch_size)  # type: ignore[attr-defined]
+    work = params * min(largest, learner.cfg.client.batch_size)  # type: ignore[attr-defined]
     if work > AUTO_MAX_STEP_WORK:
         return (f"a local step of {work:,} parameter-examples is past the {AUTO_MAX_STEP_WORK:,} up to which the "
                 f"vectorised cohort was measured faster (engine.vectorise=true forces it)")

@@ -199,6 +199,16 @@ def test_auto_keeps_big_steps_sequential(monkeypatch) -> None:
     assert reason is not None and f"{work:,} parameter-examples" in reason
 
 
+def test_auto_keeps_big_models_sequential(monkeypatch) -> None:
+    lrn = learner(*MLP)
+    params = sum(p.numel() for p in lrn.model.parameters())
+    monkeypatch.setattr(vectorised, "AUTO_MAX_PARAMS", params)
+    assert auto_vectorise(lrn, ctxs()) is None
+    monkeypatch.setattr(vectorised, "AUTO_MAX_PARAMS", params - 1)
+    reason = auto_vectorise(lrn, ctxs())
+    assert reason is not None and f"{params:,} trainable parameters" in reason
+
+
 def test_auto_needs_two_clients_and_an_exact_cohort() -> None:
     assert auto_vectorise(learner(*MLP), ctxs()[:1]) == "a cohort of one client"
     reason = auto_vectorise(learner(*MLP[:1], "model.params={hidden: [8], dropout: 0.2}"), ctxs())
