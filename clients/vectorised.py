@@ -40,8 +40,8 @@ needs per-client failure semantics falls back to sequential training then.
 
 ``engine.vectorise=auto`` (the default) vectorises only where it is exact *and* measured faster
 (:func:`auto_vectorise`): models of ``Linear`` layers with at most :data:`AUTO_MAX_PARAMS` parameters
-and a per-client step of at most :data:`AUTO_MAX_STEP_WORK` parameter-examples.  ``benchmarks/bench_vectorise.py`` times both paths
-over a grid of MLPs, a logistic regression and the small CNN (10-1000 clients, 4-400 examples,
+and a per-client step of at most :data:`AUTO_MAX_STEP_WORK` parameter-examples.
+``benchmarks/bench_vectorise.py`` times both paths over a grid of MLPs, a logistic regression and the small CNN (10-1000 clients, 4-400 examples,
 batch 16/64, SGD/Adam) and fails if ``auto`` vectorises anywhere the cohort is slower; convolutions
 stay sequential because the batched kernels lose to one-by-one training there at 10-100 clients
 (0.4-0.6x), and so do MLPs past 30k parameters (a 784-128-4 MLP: 0.8-0.9x at 1000 clients).
@@ -124,7 +124,6 @@ def vectorise_unsupported(learner: Learner, ctxs: list[NodeContext]) -> str | No
     return None
 
 
-
 #: Parametrised layers the ``auto`` rule vectorises: on them the batched kernels beat one-by-one
 #: training across the grid of ``benchmarks/bench_vectorise.py``; on convolutions they do not.
 AUTO_LAYERS: tuple[type[nn.Module], ...] = (nn.Linear,)
@@ -167,6 +166,7 @@ def auto_vectorise(learner: Learner, ctxs: list[NodeContext]) -> str | None:
         return (f"a local step of {work:,} parameter-examples is past the {AUTO_MAX_STEP_WORK:,} up to which the "
                 f"vectorised cohort was measured faster (engine.vectorise=true forces it)")
     return None
+
 
 # -- per-client preparation -----------------------------------------------------------------------
 
