@@ -54,6 +54,10 @@ class ClaimSpec:
     extra_metrics: list[str] = field(default_factory=list)  # more table columns (final values)
 
 
+#: The per-round count of failed client calls every engine round logs.
+CLIENTS_FAILED = "round/clients_failed"
+
+
 @dataclass
 class ConfigResult:
     label: str
@@ -63,6 +67,7 @@ class ConfigResult:
     curves: list[list[float]] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     extras: dict[str, list[float]] = field(default_factory=dict)  # extra metric -> one final value per seed
+    client_failures: int = 0  # failed client calls summed over the finished runs' rounds (timeouts included)
 
     def add_extras(self, finals: dict[str, float]) -> None:
         """One seed's final values of the spec's extra metrics (NaN where a run did not log one)."""
@@ -235,6 +240,7 @@ def run_claim(
                 continue
             res.add([v for _, v in _series(summary.history, spec.metric)], spec.moving_average)
             res.add_extras({k: _final_value(summary.history, k) for k in spec.extra_metrics})
+            res.client_failures += int(sum(v for _, v in _series(summary.history, CLIENTS_FAILED)))
         status = "FINISHED"
     except KeyboardInterrupt:
         status = "KILLED"
@@ -274,6 +280,7 @@ def add_logged_run(res: ConfigResult, parent: Any, run: Any, spec: ClaimSpec) ->
     """Add one finished child run, read back from MLflow, to its configuration's results."""
     res.add(_logged_curve(parent, run.info.run_id, spec.metric), spec.moving_average)
     res.add_extras({k: float(run.data.metrics.get(k, math.nan)) for k in spec.extra_metrics})
+    res.client_failures += int(sum(_logged_curve(parent, run.info.run_id, CLIENTS_FAILED)))
 
 
 def _logged_curve(parent: Any, run_id: str, metric: str) -> list[float]:
@@ -317,6 +324,8 @@ def results_table_rows(spec: ClaimSpec, results: list[ConfigResult]) -> list[dic
             row[key] = "–" if math.isnan(em) else f"{em:.4f} ± {es:.4f}"
         if r.failed:
             row["failed"] = str(len(r.failed))
+        if r.client_failures:  # a run that lost clients (e.g. to a timeout) is not a clean data point
+            row["client failures"] = str(r.client_failures)
         rows.append(row)
     return rows
 

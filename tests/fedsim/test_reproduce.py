@@ -109,3 +109,20 @@ def test_an_interrupted_claim_check_resumes_where_it_stopped(tmp_path, tracking_
     assert client.get_run(parent_id).info.status == "FINISHED"
     with pytest.raises(ConfigError, match="that claim check ran with"):
         run_claim("c", load_claim(str(path), seeds=1), tracking_uri=tracking_uri, resume_parent=parent_id)
+
+
+def test_client_failures_are_counted_live_and_when_read_back(tmp_path, tracking_uri) -> None:
+    """A run that lost clients is flagged in the table: its data point is not a clean one."""
+    from fedsim.reproduce import results_table_rows, run_claim
+
+    path = tmp_path / "claim.yaml"
+    path.write_text("experiment: fedavg\noverrides: [rounds=2, num_clients=3, data.name=digits, model.name=mlp,"
+                    " data.partition.name=iid, strategy.min_train_results=1]\n"
+                    "grid:\n  engine.faults.fail_partitions: [[], [1]]\nseeds: [0, 1]\n")
+    spec = load_claim(str(path))
+    live, parent_id = run_claim("c", spec, tracking_uri=tracking_uri)
+    assert [r.client_failures for r in live] == [0, 2 * 2]  # partition 1 fails in both rounds of both seeds
+    rows = results_table_rows(spec, live)
+    assert "client failures" not in rows[0] and rows[1]["client failures"] == "4"
+    read_back, _ = run_claim("c", spec, tracking_uri=tracking_uri, resume_parent=parent_id)
+    assert [r.client_failures for r in read_back] == [0, 4]
