@@ -244,6 +244,7 @@ FLAG_KEYS: dict[str, str] = {
 def _omegaconf_error(exc: OmegaConfBaseException, source: str) -> ConfigError:
     key = getattr(exc, "full_key", None)
     msg = str(exc).splitlines()[0].strip()
+    msg = msg.replace("type hint 'Union[bool, str]'", "this key (true, false or a word such as auto)")
     where = f"{source}: key '{key}'" if key else source
     return ConfigError(f"{where}: {msg}")
 

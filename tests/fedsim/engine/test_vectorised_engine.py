@@ -85,3 +85,5 @@ def test_bad_vectorise_value_is_a_one_line_error() -> None:
 
     with pytest.raises(ConfigError, match="engine.vectorise must be true, false or auto"):
         C.load_config("fedavg_digits", ["engine.vectorise=sometimes"], {})
+    with pytest.raises(ConfigError, match=r"key 'engine.vectorise'.*true, false or a word such as auto"):
+        C.load_config("fedavg_digits", ["engine.vectorise=3"], {})
