@@ -296,21 +296,7 @@ def load_central_config(name_or_path: str, overrides: list[str] | None = None, s
         raise _omegaconf_error(exc, str(path)) from None
     if not cfg.name:
         cfg.name = path.stem
-    for item in overrides or []:
-        if "=" not in item:
-            raise ConfigError(f"bad override {item!r}: use key=value, e.g. params.steps=100")
-        key = item.split("=", 1)[0]
-        if OmegaConf.select(cfg, key, default="__missing__") == "__missing__" and not _inside_params(key):
-            raise ConfigError(f"bad override {item!r}: no config key '{key}' (see --print-config)")
-    try:
-        if overrides:
-            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
-        if seed is not None:
-            cfg.seed = seed
-    except OmegaConfBaseException as exc:
-        raise _omegaconf_error(exc, "override") from None
-    except ValueError as exc:
-        raise ConfigError(f"bad override: {exc}") from None
+    cfg = _apply_overrides(cfg, overrides, example="params.steps=100", flags={"seed": seed}, flag_keys={"seed": "seed"})
     typed: CentralConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     _check(bool(typed.method), f"{path}: 'method' must name a centralised method")
     _check(typed.seed >= 0, f"seed must be >= 0, got {typed.seed}")
@@ -331,9 +317,27 @@ def load_config(
         raise _omegaconf_error(exc, str(path)) from None
     if "name" not in read_yaml(path):
         cfg.name = path.stem
+    cfg = _apply_overrides(cfg, overrides, example="client.lr=0.05", flags=flags, flag_keys=FLAG_KEYS)
+    typed: ExperimentConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    validate(typed)
+    return typed
+
+
+def _apply_overrides(
+    cfg: Any,
+    overrides: list[str] | None,
+    example: str,
+    flags: dict[str, Any] | None,
+    flag_keys: dict[str, str],
+) -> Any:
+    """Merge ``key=value`` overrides, then the CLI flags that are set, into ``cfg``.
+
+    Every override must name an existing key (or one under an open mapping such as ``params``);
+    a bad one is a one-line :class:`ConfigError` quoting ``example``.
+    """
     for item in overrides or []:
         if "=" not in item:
-            raise ConfigError(f"bad override {item!r}: use key=value, e.g. client.lr=0.05")
+            raise ConfigError(f"bad override {item!r}: use key=value, e.g. {example}")
         key = item.split("=", 1)[0]
         if OmegaConf.select(cfg, key, default="__missing__") == "__missing__" and not _inside_params(key):
             raise ConfigError(f"bad override {item!r}: no config key '{key}' (see --print-config)")
@@ -342,14 +346,12 @@ def load_config(
             cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
         for flag, value in (flags or {}).items():
             if value is not None:
-                OmegaConf.update(cfg, FLAG_KEYS[flag], value, merge=True)
+                OmegaConf.update(cfg, flag_keys[flag], value, merge=True)
     except OmegaConfBaseException as exc:
         raise _omegaconf_error(exc, "override") from None
     except ValueError as exc:  # e.g. from_dotlist on a malformed item
         raise ConfigError(f"bad override: {exc}") from None
-    typed: ExperimentConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
-    validate(typed)
-    return typed
+    return cfg
 
 
 #: Mappings whose keys the user chooses (their values are still typed or validated later).

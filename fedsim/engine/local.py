@@ -24,28 +24,22 @@ import contextlib
 import logging
 import threading
 import time
-import traceback
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
-from flwr.app import Context, Error, Message, MessageType, RecordDict
+from flwr.app import Message, MessageType
 from flwr.clientapp import ClientApp
 from flwr.common.constant import SUPERLINK_NODE_ID
-from flwr.serverapp import Grid
-from flwr.supercore.run import Run
-from flwr.supercore.task_identity import TaskIdentity
 
+from fedsim.engine.driver import DriverGrid, call_client_app, error_reply, task_identity
 from fedsim.engine.history import RoundObserver
 from fedsim.engine.runtime import RunSpec, build_client_app, drop_learners
 from fedsim.engine.server import ServerResult, run_server
 
-#: Error code of a ClientApp exception (Flower uses 2 for "ClientApp exception" too).
-CLIENT_APP_EXCEPTION = 2
-
 log = logging.getLogger("fedsim")
 
 
-class InProcessGrid(Grid):
+class InProcessGrid(DriverGrid):
     """Synchronous in-process Grid: ``send_and_receive`` runs the ClientApp for each message."""
 
     def __init__(self, client_app: ClientApp, num_nodes: int, run_id: int = 1,
@@ -54,28 +48,9 @@ class InProcessGrid(Grid):
         self.client_timeout = client_timeout
         self.vectorise_spec = vectorise_spec  # set: train a round's cohort together (engine.vectorise true/auto)
         self._vectorise_refused: str | None = None
-        self._run_id = run_id
         self._deadline: float | None = None
-        self.contexts: dict[int, Context] = {
-            pid + 1: Context(run_id=run_id, node_id=pid + 1,
-                             node_config={"partition-id": pid, "num-partitions": num_nodes},
-                             state=RecordDict(), run_config={})
-            for pid in range(num_nodes)
-        }
+        self._init_nodes(run_id, num_nodes)
         self._replies: dict[str, Message] = {}
-
-    def set_run(self, run_id: int) -> None:
-        self._run_id = run_id
-
-    @property
-    def run(self) -> Run:
-        return Run.create_empty(self._run_id)
-
-    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):  # type: ignore[override]
-        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
-
-    def get_node_ids(self) -> list[int]:
-        return list(self.contexts)
 
     def push_messages(self, messages: Iterable[Message]) -> list[str]:
         messages = list(messages)
@@ -141,7 +116,7 @@ class InProcessGrid(Grid):
     def _deliver(self, msg: Message) -> Message:
         left = None if self._deadline is None else self._deadline - time.monotonic()
         if left is not None and left <= 0:
-            return _error(msg, "timeout: the round's deadline passed before this client ran")
+            return error_reply(msg, "timeout: the round's deadline passed before this client ran")
         limit = min(x for x in (self.client_timeout, left) if x is not None) if self.client_timeout else None
         if limit is None:
             return self._call(msg)
@@ -151,30 +126,16 @@ class InProcessGrid(Grid):
         worker.join(limit)
         if worker.is_alive():  # abandoned: it may still touch the learner, so drop it for a fresh one
             drop_learners()
-            return _error(msg, f"timeout: no reply within {limit:.1f}s")
+            return error_reply(msg, f"timeout: no reply within {limit:.1f}s")
         return box["reply"]
 
     def _call(self, msg: Message) -> Message:
-        context = self.contexts[msg.metadata.dst_node_id]
-        try:
-            return self.client_app(msg, context)
-        except Exception as exc:  # a failing client is reported, never raised into the server
-            return _error(msg, "".join(traceback.format_exception_only(type(exc), exc)).strip())
+        return call_client_app(self.client_app, msg, self.contexts[msg.metadata.dst_node_id])
 
 
-def _error(msg: Message, reason: str) -> Message:
-    return Message(Error(code=CLIENT_APP_EXCEPTION, reason=reason), reply_to=msg)
-
-
-@contextlib.contextmanager
-def server_identity(run_id: int) -> Iterator[None]:
+def server_identity(run_id: int) -> contextlib.AbstractContextManager[None]:
     """Flower's Message constructor reads the task identity that its runtimes normally set."""
-    saved = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)
-    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, run_id, SUPERLINK_NODE_ID
-    try:
-        yield
-    finally:
-        TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved
+    return task_identity(run_id, SUPERLINK_NODE_ID)
 
 
 def client_time_limit(spec: RunSpec) -> float | None:

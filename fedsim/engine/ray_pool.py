@@ -45,22 +45,19 @@ import logging
 import math
 import os
 import time
-import traceback
 import uuid
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
-from flwr.app import Context, Error, Message, RecordDict
+from flwr.app import Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import SUPERLINK_NODE_ID
-from flwr.serverapp import Grid
-from flwr.supercore.run import Run
-from flwr.supercore.task_identity import TaskIdentity
 
 from fedsim import config as C
+from fedsim.engine.driver import DriverGrid, call_client_app, error_reply, task_identity
 from fedsim.engine.history import RoundObserver
 from fedsim.engine.runtime import RunSpec, build_client_app, get_learner
 from fedsim.engine.server import ServerResult, run_server
@@ -68,9 +65,6 @@ from fedsim.errors import ConfigError, RunFailedError
 from fedsim.logs import quiet_third_party
 
 log = logging.getLogger("fedsim")
-
-#: Error code of a failed client call (Flower uses 2 for "ClientApp exception"; timeouts reuse it).
-CLIENT_APP_EXCEPTION = 2
 
 #: Least time an actor may take to start and build its learner (the round timeout when longer).
 START_TIMEOUT_S = 300.0
@@ -168,28 +162,10 @@ def check_ray_resources(spec: RunSpec) -> None:
 
 
 # -- the actor ------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def task_identity(run_id: int, node_id: int) -> Iterator[None]:
-    """Set Flower's task identity (read by the Message constructor) for a block."""
-    saved = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)
-    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, run_id, node_id
-    try:
-        yield
-    finally:
-        TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved
-
-
-def error_reply(msg: Message, reason: str) -> Message:
-    return Message(Error(code=CLIENT_APP_EXCEPTION, reason=reason), reply_to=msg)
-
-
 def deliver(app: ClientApp, msg: Message, context: Context) -> Message:
-    """Run the ClientApp on one message; an exception becomes an error reply (never raised)."""
+    """Run the ClientApp on one message as its node; an exception becomes an error reply (never raised)."""
     with task_identity(msg.metadata.run_id, msg.metadata.dst_node_id):
-        try:
-            return app(msg, context)
-        except Exception as exc:
-            return error_reply(msg, "".join(traceback.format_exception_only(type(exc), exc)).strip())
+        return call_client_app(app, msg, context)
 
 
 class ClientActor:
@@ -239,7 +215,7 @@ class _Actor:
     busy_since: float | None = None  # when the head of the queue started running
 
 
-class RayActorGrid(Grid):
+class RayActorGrid(DriverGrid):
     """A Grid whose messages are served by long-lived Ray actors (Ray must be initialised)."""
 
     def __init__(self, spec: RunSpec, num_nodes: int | None = None, run_id: int = 1,
@@ -250,13 +226,7 @@ class RayActorGrid(Grid):
         rc = cfg.engine.ray
         num_nodes = cfg.num_clients if num_nodes is None else num_nodes
         self.spec = spec
-        self._run_id = run_id
-        self.contexts: dict[int, Context] = {
-            pid + 1: Context(run_id=run_id, node_id=pid + 1,
-                             node_config={"partition-id": pid, "num-partitions": num_nodes},
-                             state=RecordDict(), run_config={})
-            for pid in range(num_nodes)
-        }
+        self._init_nodes(run_id, num_nodes)
         self.client_limit = float(cfg.engine.client_timeout_s or cfg.engine.round_timeout_s)
         self.start_limit = max(float(cfg.engine.round_timeout_s), START_TIMEOUT_S)
         self._dedicated = {pid + 1: size for pid, size in dedicated_sizes(rc).items()}
@@ -280,19 +250,6 @@ class RayActorGrid(Grid):
             raise
 
     # -- Grid interface -------------------------------------------------------------------------
-    def set_run(self, run_id: int) -> None:
-        self._run_id = run_id
-
-    @property
-    def run(self) -> Run:
-        return Run.create_empty(self._run_id)
-
-    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):  # type: ignore[override]
-        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
-
-    def get_node_ids(self) -> list[int]:
-        return list(self.contexts)
-
     def push_messages(self, messages: Iterable[Message]) -> list[str]:
         import ray
 

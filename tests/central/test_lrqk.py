@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
-from central.lrqk.attend import Shape, SparseRunner, attached, replay, run_prefill
+from central.lrqk.attend import Shape, SparseRunner, replay, run_prefill
 from central.lrqk.factor import Factors, als_prefill, decode_update, penalised_objective
 from central.lrqk.run import LRQKParams, check
 from central.lrqk.select import (HitMissBuffer, LRQKSelector, OracleSelector, QuestSelector, WindowSelector,

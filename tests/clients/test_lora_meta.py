@@ -9,7 +9,7 @@ from flwr.app import RecordDict
 
 from clients.base import NodeContext
 from clients.lora_meta import STATE_KEY, LoraMetaLearner
-from clients.lora_meta_model import LoraMixer, LoraMLP, MultiLoraLinear, build
+from clients.lora_meta_model import LoraMixer, MultiLoraLinear, build
 from fedsim import config as C
 from fedsim.engine.runtime import RunSpec, get_learner
 from fedsim.errors import ConfigError

@@ -73,3 +73,20 @@ def test_roundtrip_and_flatten() -> None:
     assert again == cfg
     flat = C.flatten(C.to_container(cfg))
     assert flat["data.partition.alpha"] == 0.5 and flat["model.params.channels"] == [8, 16]
+
+
+def test_central_overrides_seed_and_params() -> None:
+    cfg = C.load_central_config("spam_select", ["params.anything_new=3"], seed=7)
+    assert cfg.seed == 7 and cfg.params["anything_new"] == 3
+    assert "anything_new" not in C.load_central_config("spam_select").params
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [(["params"], "e.g. params.steps=100"), (["nosuch.key=1"], "no config key 'nosuch.key'"),
+     (["seed=abc"], "seed")],
+)
+def test_central_bad_override_is_one_line(overrides, needle) -> None:
+    with pytest.raises(ConfigError) as err:
+        C.load_central_config("spam_select", overrides)
+    assert needle in str(err.value) and "\n" not in str(err.value)
