@@ -11,7 +11,10 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
 os.environ.pop("MLFLOW_TRACKING_URI", None)
 
+from collections.abc import Iterator  # noqa: E402
+
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 @pytest.fixture
@@ -25,3 +28,16 @@ def in_tmp(tmp_path, monkeypatch):
     """Run the test from an empty working directory (the default store goes there)."""
     monkeypatch.chdir(tmp_path)
     return tmp_path
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """One torch thread for a module, restored afterwards (use with ``pytestmark``).
+
+    Tiny batches gain nothing from intra-op threads, and on a busy 2-core box OpenMP barriers
+    make a 2-thread step up to ~40x slower.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -17,12 +17,7 @@ from central.lrqk.select import (HitMissBuffer, LRQKSelector, OracleSelector, Qu
 from fedsim.errors import ConfigError
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -25,12 +25,7 @@ from fedsim.errors import ConfigError
 from tests.clients.tta.test_methods import C, bn_net, ln_net, stream
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def configured(net):

@@ -22,12 +22,7 @@ GRAD_METHODS = ["tent", "eata", "rdumb", "lcotta"]
 LOOSE = {"e0_margin": 1.0, "d_margin": 1.01}  # every sample passes both ETA filters
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Scale(nn.Module):

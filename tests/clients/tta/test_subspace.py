@@ -11,12 +11,7 @@ from clients.tta.subspace import GradientWindow, principal_subspace, project
 from fedsim.errors import ConfigError
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def orthonormal(d: int, k: int, seed: int = 0) -> torch.Tensor:

@@ -33,14 +33,7 @@ def _build(seed: int, **params) -> MiniLMLoRAClassifier:
     return build_model("minilm_lora", params, (MAX_LEN,), NUM_CLASSES)  # type: ignore[return-value]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny batches gain nothing from intra-op threads, and on a busy 2-core box OpenMP barriers
-    make a 2-thread step ~40x slower; restore the setting afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
