@@ -28,13 +28,11 @@ in ``central/lm``, ``central/image``, ... and are imported by the methods, never
 
 from __future__ import annotations
 
-import contextlib
 import csv
-import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -43,6 +41,7 @@ from fedsim import config as C
 from fedsim.engine.history import History, RoundRecord
 from fedsim.errors import ConfigError
 from fedsim.logs import quiet_third_party
+from fedsim.run_lifecycle import tracked_run
 from fedsim.registry import CENTRAL
 from fedsim.seeding import derive_seed
 
@@ -164,26 +163,6 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-class _Terminated(BaseException):
-    pass
-
-
-@contextlib.contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    def on_term(signum: int, frame: Any) -> None:
-        raise _Terminated()
-
-    try:
-        previous = signal.signal(signal.SIGTERM, on_term)
-    except ValueError:  # not the main thread
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def method_params(cfg: C.CentralConfig) -> Any:
     """The method's typed params (a one-line ConfigError for an unknown method or a bad key)."""
     return CENTRAL.params(cfg.method, cfg.params, "params")
@@ -218,25 +197,17 @@ def run_central(
                                   run_name=run_name or f"{cfg.name}-seed{cfg.seed}", tags=tags)
     artifact_dir = recorder.artifact_dir if recorder else Path(tempfile.mkdtemp(prefix="fedsim-central-"))
     ctx = CentralContext(cfg, params, recorder, artifact_dir, show_progress)
-    status, start = "FAILED", time.perf_counter()
-    try:
-        with _sigterm_as_interrupt():
-            if recorder is not None:
-                recorder.log_params(C.flatten(C.to_container(cfg)))
-                recorder.log_text(C.to_yaml(cfg), "config.yaml")
-            headline = method(ctx)
-            last = max((r.round for r in ctx.history.records), default=0)
-            ctx.log_metrics(headline, step=last)
-            wall = time.perf_counter() - start
-            if recorder is not None:
-                recorder.log_metrics({"run/wall_seconds": wall}, step=last)
-        status = "FINISHED"
-    except (KeyboardInterrupt, _Terminated):
-        status = "KILLED"
-        raise KeyboardInterrupt() from None
-    finally:
+    start = time.perf_counter()
+    with tracked_run(recorder):
         if recorder is not None:
-            recorder.finish(status)
+            recorder.log_params(C.flatten(C.to_container(cfg)))
+            recorder.log_text(C.to_yaml(cfg), "config.yaml")
+        headline = method(ctx)
+        last = max((r.round for r in ctx.history.records), default=0)
+        ctx.log_metrics(headline, step=last)
+        wall = time.perf_counter() - start
+        if recorder is not None:
+            recorder.log_metrics({"run/wall_seconds": wall}, step=last)
     return CentralSummary({k: float(v) for k, v in headline.items()}, ctx.history, wall,
                           recorder.run_id if recorder else None, recorder.uri if recorder else None, ctx.tables)
 

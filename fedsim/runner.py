@@ -7,7 +7,6 @@ resources), so a bad input never leaves a half-written run behind.
 from __future__ import annotations
 
 import shutil
-import signal
 import tempfile
 import time
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from fedsim.engine.server import ServerResult, build_strategy, required_results
 from fedsim.errors import FedsimError, RunFailedError
 from fedsim.logs import quiet_third_party
 from fedsim.plots import plot_learning_curves
+from fedsim.run_lifecycle import tracked_run
 from fedsim.registry import DATASETS, MODELS, PARTITIONERS
 
 
@@ -76,10 +76,6 @@ def _engine(name: str) -> Callable[..., ServerResult]:
     return run_local
 
 
-class _Terminated(BaseException):
-    """SIGTERM arrived: the run is ended as KILLED (a BaseException, so no client handler eats it)."""
-
-
 def run_experiment(
     cfg: C.ExperimentConfig,
     *,
@@ -122,18 +118,9 @@ def run_experiment(
     checkpoint_dir = _checkpoint_dir(cfg, recorder.run_id if recorder else None)
     replayed: list[RoundObserver] = [*([ledger] if ledger else []), history, *(observers or [])]
     all_observers = [*replayed, *([recorder] if recorder is not None else [])]
-    previous_term = signal.getsignal(signal.SIGTERM)
-
-    def on_term(signum: int, frame: Any) -> None:
-        raise _Terminated()
-
-    status = "FAILED"
     start = time.perf_counter()
-    try:
-        try:
-            signal.signal(signal.SIGTERM, on_term)
-        except ValueError:  # not the main thread (e.g. inside a Ray Tune trial)
-            pass
+    run_id = recorder.run_id if recorder else None
+    with tracked_run(recorder, on_end=lambda status: _settle_checkpoint(cfg, checkpoint_dir, status, run_id)):
         if recorder is not None and resume is None:
             params = C.flatten(C.to_container(cfg))
             if learner.owns_environment:  # its data and model live in client.params: cfg.data / cfg.model are unused
@@ -164,18 +151,6 @@ def run_experiment(
             _log_outputs(recorder, cfg, history, result, wall)
             if ledger is not None:
                 recorder.log_artifact(ledger.write_csv(recorder.artifact_dir / "privacy_ledger.csv"))
-        status = "FINISHED"
-    except (KeyboardInterrupt, _Terminated):
-        status = "KILLED"
-        raise KeyboardInterrupt() from None
-    finally:
-        if recorder is not None:
-            recorder.finish(status)
-        _settle_checkpoint(cfg, checkpoint_dir, status, recorder.run_id if recorder else None)
-        try:
-            signal.signal(signal.SIGTERM, previous_term)
-        except ValueError:
-            pass
     return RunSummary(history, result.arrays, wall, recorder.run_id if recorder else None,
                       recorder.uri if recorder else None, ledger)
 

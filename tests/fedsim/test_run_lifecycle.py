@@ -1,0 +1,52 @@
+"""How a tracked run ends: the status the recorder gets, the on_end hook, and SIGTERM handling."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from fedsim.run_lifecycle import tracked_run
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.statuses: list[str] = []
+
+    def finish(self, status: str) -> None:
+        self.statuses.append(status)
+
+
+def test_success_finishes_and_calls_on_end() -> None:
+    rec, ended = Recorder(), []
+    with tracked_run(rec, on_end=ended.append):
+        pass
+    assert rec.statuses == ["FINISHED"] and ended == ["FINISHED"]
+
+
+def test_exception_fails_the_run_and_propagates() -> None:
+    rec, ended = Recorder(), []
+    with pytest.raises(ValueError, match="boom"), tracked_run(rec, on_end=ended.append):
+        raise ValueError("boom")
+    assert rec.statuses == ["FAILED"] and ended == ["FAILED"]
+
+
+def test_sigterm_kills_the_run_as_an_interrupt_and_restores_the_handler() -> None:
+    rec = Recorder()
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt), tracked_run(rec):
+        assert signal.getsignal(signal.SIGTERM) is not before
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler interrupts this at once
+        raise AssertionError("SIGTERM did not interrupt the block")
+    assert rec.statuses == ["KILLED"]
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_ctrl_c_kills_the_run_without_a_recorder() -> None:
+    ended: list[str] = []
+    with pytest.raises(KeyboardInterrupt), tracked_run(None, on_end=ended.append):
+        raise KeyboardInterrupt
+    assert ended == ["KILLED"]
