@@ -296,7 +296,7 @@ def load_central_config(name_or_path: str, overrides: list[str] | None = None, s
         raise _omegaconf_error(exc, str(path)) from None
     if not cfg.name:
         cfg.name = path.stem
-    cfg = _apply_overrides(cfg, overrides, example="params.steps=100", flags={"seed": seed}, flag_keys={"seed": "seed"})
+    cfg = _apply_overrides(cfg, overrides, example="params.steps=100", settings={"seed": seed})
     typed: CentralConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     _check(bool(typed.method), f"{path}: 'method' must name a centralised method")
     _check(typed.seed >= 0, f"seed must be >= 0, got {typed.seed}")
@@ -317,7 +317,8 @@ def load_config(
         raise _omegaconf_error(exc, str(path)) from None
     if "name" not in read_yaml(path):
         cfg.name = path.stem
-    cfg = _apply_overrides(cfg, overrides, example="client.lr=0.05", flags=flags, flag_keys=FLAG_KEYS)
+    settings = {FLAG_KEYS[flag]: value for flag, value in (flags or {}).items()}
+    cfg = _apply_overrides(cfg, overrides, example="client.lr=0.05", settings=settings)
     typed: ExperimentConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     validate(typed)
     return typed
@@ -327,10 +328,10 @@ def _apply_overrides(
     cfg: Any,
     overrides: list[str] | None,
     example: str,
-    flags: dict[str, Any] | None,
-    flag_keys: dict[str, str],
+    settings: dict[str, Any],
 ) -> Any:
-    """Merge ``key=value`` overrides, then the CLI flags that are set, into ``cfg``.
+    """Merge ``key=value`` overrides, then the ``settings`` (config key -> value, e.g. from CLI
+    flags) that are not None, into ``cfg``.
 
     Every override must name an existing key (or one under an open mapping such as ``params``);
     a bad one is a one-line :class:`ConfigError` quoting ``example``.
@@ -344,9 +345,9 @@ def _apply_overrides(
     try:
         if overrides:
             cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
-        for flag, value in (flags or {}).items():
+        for key, value in settings.items():
             if value is not None:
-                OmegaConf.update(cfg, flag_keys[flag], value, merge=True)
+                OmegaConf.update(cfg, key, value, merge=True)
     except OmegaConfBaseException as exc:
         raise _omegaconf_error(exc, "override") from None
     except ValueError as exc:  # e.g. from_dotlist on a malformed item
