@@ -177,6 +177,7 @@ def run_central(
     show_progress: bool = False,
 ) -> CentralSummary:
     """Run one centralised experiment end to end (params checked before any MLflow run exists)."""
+    import shutil
     import tempfile
 
     quiet_third_party(False)
@@ -187,18 +188,21 @@ def run_central(
         check(params)
     recorder = None
     if cfg.tracking.enabled:
-        from fedsim.tracking import MlflowRecorder, git_commit
+        from fedsim.tracking import MlflowRecorder, git_commit, resolve_tracking_uri
 
+        tracking_uri = resolve_tracking_uri(tracking_uri, cfg.tracking.uri, check=True)  # flag > env > file
         tags = {"experiment": cfg.name, "method": cfg.method, "kind": "central", "seed": str(cfg.seed),
                 "git_commit": git_commit()}
         if parent_run_id:
             tags["mlflow.parentRunId"] = parent_run_id
-        recorder = MlflowRecorder(tracking_uri or cfg.tracking.uri, cfg.tracking.experiment,
+        recorder = MlflowRecorder(tracking_uri, cfg.tracking.experiment,
                                   run_name=run_name or f"{cfg.name}-seed{cfg.seed}", tags=tags)
     artifact_dir = recorder.artifact_dir if recorder else Path(tempfile.mkdtemp(prefix="fedsim-central-"))
     ctx = CentralContext(cfg, params, recorder, artifact_dir, show_progress)
     start = time.perf_counter()
-    with tracked_run(recorder):
+    # the recorder removes its artifact folder when it finishes; an untracked run's folder goes here
+    cleanup = None if recorder else (lambda status: shutil.rmtree(artifact_dir, ignore_errors=True))
+    with tracked_run(recorder, on_end=cleanup):
         if recorder is not None:
             recorder.log_params(C.flatten(C.to_container(cfg)))
             recorder.log_text(C.to_yaml(cfg), "config.yaml")

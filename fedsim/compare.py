@@ -45,12 +45,22 @@ class Comparison:
 
 
 def _client(tracking_uri: str | None) -> Any:
-    from mlflow import MlflowClient
+    from fedsim.tracking import check_tracking_uri, mlflow_client, resolve_tracking_uri
 
-    from fedsim.tracking import _quiet_mlflow, resolve_tracking_uri
+    uri = resolve_tracking_uri(tracking_uri)
+    _check_store_exists(uri)
+    check_tracking_uri(uri)
+    return mlflow_client(uri)
 
-    _quiet_mlflow()
-    return MlflowClient(tracking_uri=resolve_tracking_uri(tracking_uri))
+
+def _check_store_exists(uri: str) -> None:
+    """Comparing only reads: a sqlite store that does not exist is an error, not a new empty store."""
+    from fedsim.store import sqlite_path
+
+    path = sqlite_path(uri)
+    if path is not None and not Path(path).is_file():
+        raise ConfigError(f"no MLflow store at {path} (nothing was recorded there); run from the directory "
+                          f"of your runs or pass --tracking-uri")
 
 
 def from_parent(parent_id: str, metrics: list[str] | None = None, tracking_uri: str | None = None) -> Comparison:
@@ -91,12 +101,13 @@ def from_experiment(name: str, metrics: list[str] | None = None, tracking_uri: s
     """The finished top-level runs of ``fedsim run NAME``, grouped by the params that differ."""
     client = _client(tracking_uri)
     runs = []
-    for exp in client.search_experiments():
-        runs += client.search_runs([exp.experiment_id], filter_string=f"tags.experiment = '{name}'",
+    for exp in client.search_experiments():  # no filter on the name: one with quotes cannot inject a clause
+        runs += client.search_runs([exp.experiment_id], filter_string="attributes.status = 'FINISHED'",
                                    max_results=10000)
-    runs = [r for r in runs if r.info.status == "FINISHED" and "mlflow.parentRunId" not in r.data.tags]
+    runs = [r for r in runs if r.data.tags.get("experiment") == name and "mlflow.parentRunId" not in r.data.tags]
     if not runs:
-        raise ConfigError(f"no finished runs of experiment {name!r} in this store; run `fedsim run {name}` "
+        shown = name if len(name) <= 80 else name[:80] + "..."
+        raise ConfigError(f"no finished runs of experiment {shown!r} in this store; run `fedsim run NAME` "
                           f"first, or give a parent run id")
     keys = set().union(*(r.data.params for r in runs)) - _IGNORED_PARAMS
     varying = sorted(k for k in keys if len({r.data.params.get(k) for r in runs}) > 1)
