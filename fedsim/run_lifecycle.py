@@ -1,40 +1,104 @@
-"""How a tracked run ends: FINISHED, FAILED (an exception) or KILLED (Ctrl-C or SIGTERM).
+"""How a tracked run ends: FINISHED, FAILED (an exception) or KILLED (Ctrl-C, SIGTERM or SIGHUP).
 
 Shared by the federated runner and the centralised track, so both record the same status and a
 SIGTERM (a cluster scheduler, ``kill``) ends the MLflow run as KILLED instead of leaving it RUNNING.
+
+Two helpers keep that promise against third-party code: :func:`signal_handlers_kept` undoes the
+SIGTERM handler that ``ray.init`` installs (it calls ``sys.exit``, which would end the run FAILED),
+and :func:`exit_soon` ends an interrupted process after a grace period even if a thread that cannot
+be stopped (a Flower worker waiting on a hung Ray actor) would block the interpreter's exit.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
+#: Signals that end a run as KILLED (SIGINT arrives as KeyboardInterrupt).
+TERMINATING_SIGNALS = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if s)
 
-class Terminated(BaseException):
-    """SIGTERM arrived: the run ends as KILLED (a BaseException, so no client handler eats it)."""
+#: Seconds an interrupted process may take to exit on its own before :func:`exit_soon` ends it.
+EXIT_GRACE_S = 5.0
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP arrived: the run ends as KILLED.
+
+    A KeyboardInterrupt (so a BaseException, which no client handler eats), because native code
+    that checks for signals (Ray's ``ray.wait`` / ``ray.get``) passes a KeyboardInterrupt on as an
+    interrupt but turns any other exception into a ``SystemError`` (the run would end FAILED).
+    """
 
 
 class FinishableRun(Protocol):
     def finish(self, status: str) -> None: ...
 
 
+def _install(handler: Any) -> dict[int, Any]:
+    """Set ``handler`` for the terminating signals; return the previous handlers ({} off the main thread)."""
+    previous: dict[int, Any] = {}
+    try:
+        for sig in TERMINATING_SIGNALS:
+            if sig != signal.SIGTERM and signal.getsignal(sig) is signal.SIG_IGN:
+                continue  # e.g. SIGHUP under nohup: the user asked to survive it
+            previous[sig] = signal.signal(sig, handler)
+    except ValueError:  # not the main thread (e.g. inside a Ray Tune trial)
+        pass
+    return previous
+
+
+def _restore(previous: dict[int, Any]) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def signal_handlers_kept() -> Iterator[None]:
+    """Restore the SIGINT / SIGTERM / SIGHUP handlers after the block (e.g. around ``ray.init``)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, *TERMINATING_SIGNALS)}
+    try:
+        yield
+    finally:
+        _restore(saved)
+
+
+def exit_soon(code: int, grace_s: float = EXIT_GRACE_S) -> None:
+    """End the process with ``code`` after ``grace_s`` seconds unless it has exited by then.
+
+    For an interrupted run: the normal exit joins every non-daemon thread, and one blocked on a hung
+    client (in a third-party runtime) would keep the process alive for ever.
+    """
+    def force() -> None:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+    timer = threading.Timer(grace_s, force)
+    timer.daemon = True
+    timer.start()
+
+
 @contextlib.contextmanager
 def tracked_run(recorder: FinishableRun | None, on_end: Callable[[str], None] | None = None) -> Iterator[None]:
     """Run the block as one run's life and record how it ended.
 
-    SIGTERM is turned into an interrupt for the block (main thread only). On leaving, the recorder
-    is finished with the status and ``on_end(status)`` is called; an interrupt is re-raised as
-    :class:`KeyboardInterrupt`, an exception as itself.
+    SIGTERM and SIGHUP are turned into an interrupt for the block (main thread only). On leaving,
+    the recorder is finished with the status and ``on_end(status)`` is called; an interrupt is
+    re-raised as :class:`KeyboardInterrupt`, an exception as itself.
     """
     def on_term(signum: int, frame: Any) -> None:
         raise Terminated()
 
-    try:
-        previous = signal.signal(signal.SIGTERM, on_term)
-    except ValueError:  # not the main thread (e.g. inside a Ray Tune trial)
-        previous = None
+    previous = _install(on_term)
     status = "FAILED"
     try:
         yield
@@ -49,5 +113,4 @@ def tracked_run(recorder: FinishableRun | None, on_end: Callable[[str], None] | 
             if on_end is not None:
                 on_end(status)
         finally:
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
+            _restore(previous)

@@ -17,6 +17,8 @@ from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
+from fedsim.engine.runtime import ClientTimeout
+
 #: Flower's error code for an exception raised inside a ClientApp.
 CLIENT_APP_EXCEPTION = 2
 
@@ -41,6 +43,8 @@ def call_client_app(app: ClientApp, msg: Message, context: Context) -> Message:
     """Run the ClientApp on one message; an exception becomes an error reply (never raised)."""
     try:
         return app(msg, context)
+    except ClientTimeout as exc:  # the ClientApp's own deadline: reported as every engine words a timeout
+        return error_reply(msg, str(exc))
     except Exception as exc:  # a failing client is reported, never raised into the server
         return error_reply(msg, "".join(traceback.format_exception_only(type(exc), exc)).strip())
 

@@ -2,22 +2,103 @@
 
 Quiet by default (telemetry off, Ray log forwarding off, Flower's logger at ERROR), resources are
 checked before Ray starts (an oversized ``client_resources`` request otherwise hangs Flower's actor
-pool forever), and a watchdog interrupts a simulation that exceeds ``engine.flower.timeout_s``.
+pool forever), and a watchdog stops a simulation that exceeds ``engine.flower.timeout_s``.
+
+Hangs are contained although Flower's runtime has no per-call deadline: each train / evaluate call
+runs under :func:`~fedsim.engine.runtime.client_call_limit` inside the ClientApp (the overrunning
+thread is abandoned in its actor, the call answered with a timeout error), so a hanging client holds
+its actor for that long only and the calls after it run.  The server waits on Flower's grid through
+:class:`StoppableGrid`: every call is answered, bounded by that limit, and the server thread stops
+at once when the run is interrupted or timed out (Flower joins it before returning).
+
+Signals: Ray is started here, before ``run_simulation``, with fedsim's signal handlers kept (the
+handler ``ray.init`` installs would end a SIGTERM-ed run FAILED instead of KILLED).
 """
 
 from __future__ import annotations
 
-import _thread
 import logging
 import os
+import signal
+import sys
 import threading
+import time
+from collections.abc import Iterable
 from typing import Any
 
+from flwr.app import Message
+from flwr.serverapp import Grid
+
+from fedsim.engine import reaper
+from fedsim.engine.driver import error_reply
 from fedsim.engine.history import RoundObserver
-from fedsim.engine.runtime import RunSpec, build_client_app
+from fedsim.engine.runtime import RunSpec, bounded_wait, build_client_app, client_call_limit
 from fedsim.engine.server import ServerResult, run_server
 from fedsim.errors import ConfigError, RunFailedError
 from fedsim.logs import quiet_third_party
+from fedsim.run_lifecycle import signal_handlers_kept
+
+#: Seconds a round may wait beyond its calls' deadlines (Flower's queues and polling).
+WAIT_SLACK_S = 30.0
+#: Seconds the watchdog waits for a stopped simulation to return before interrupting the main thread.
+WATCHDOG_GRACE_S = 15.0
+
+
+class SimulationStopped(RunFailedError):
+    """The server thread was told to stop (the run was interrupted or exceeded its time limit)."""
+
+
+class StoppableGrid(Grid):
+    """Flower's simulation grid, waited on call by call, with a stop switch for the server thread.
+
+    ``send_and_receive`` returns when every reply is in, or after ``calls × limit + slack`` (each
+    call is bounded by ``limit`` inside the ClientApp, so that only happens if the runtime lost one),
+    and raises :class:`SimulationStopped` within ``poll_s`` of ``stop`` being set.
+    """
+
+    def __init__(self, inner: Grid, limit: float, stop: threading.Event, poll_s: float = 0.05) -> None:
+        self.inner = inner
+        self.limit = limit
+        self.stop = stop
+        self.poll_s = poll_s
+
+    def set_run(self, run_id: int) -> None:  # pragma: no cover - Flower sets the inner run
+        self.inner.set_run(run_id)
+
+    @property
+    def run(self):  # type: ignore[override]
+        return self.inner.run
+
+    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):  # type: ignore[override]
+        return self.inner.create_message(content, message_type, dst_node_id, group_id, ttl)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return self.inner.get_node_ids()
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        return self.inner.push_messages(messages)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        return self.inner.pull_messages(message_ids)
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
+        messages = list(messages)
+        if timeout is not None and timeout <= 0:
+            return [error_reply(m, "timeout: the round's deadline passed before this client ran") for m in messages]
+        limit = self.limit if timeout is None else min(self.limit, timeout)
+        waiting = set(self.push_messages(messages))
+        give_up = time.monotonic() + len(messages) * limit + WAIT_SLACK_S
+        replies: list[Message] = []
+        while waiting and time.monotonic() < give_up:
+            if self.stop.is_set():
+                raise SimulationStopped("the Flower simulation was stopped")
+            got = list(self.pull_messages(waiting))
+            replies += got
+            waiting -= {m.metadata.reply_to_message_id for m in got}
+            if waiting:
+                time.sleep(self.poll_s)
+        return replies
+
 
 def backend_config(spec: RunSpec) -> dict[str, Any]:
     """Flower's backend_config for this run, after checking the request fits the machine."""
@@ -43,48 +124,71 @@ def backend_config(spec: RunSpec) -> dict[str, Any]:
 
 def run_flower(spec: RunSpec, observers: list[RoundObserver]) -> ServerResult:
     from flwr.app import Context
-    from flwr.serverapp import Grid, ServerApp
+    from flwr.serverapp import ServerApp
     from flwr.simulation import run_simulation
 
     cfg = spec.cfg
     verbose = cfg.engine.verbose
     quiet_third_party(verbose)
     config = backend_config(spec)
+    limit = client_call_limit(cfg)
     outcome: dict[str, Any] = {}
+    stop, finished, timed_out = threading.Event(), threading.Event(), threading.Event()
     server = ServerApp()
 
     @server.main()
     def main(grid: Grid, context: Context) -> None:
         try:
-            outcome["result"] = run_server(grid, spec, observers)
+            outcome["result"] = run_server(StoppableGrid(grid, limit, stop), spec, observers)
         except BaseException as exc:  # re-raised in the caller's thread below
             outcome["error"] = exc
 
-    timed_out = threading.Event()
-
-    def on_timeout() -> None:
-        timed_out.set()
-        _thread.interrupt_main()
-
-    watchdog = threading.Timer(cfg.engine.flower.timeout_s, on_timeout)
-    watchdog.daemon = True
+    watchdog = threading.Thread(target=_watchdog, args=(cfg.engine.flower.timeout_s, stop, finished, timed_out),
+                                name="fedsim-flower-watchdog", daemon=True)
+    _init_ray(config)
     watchdog.start()
     try:
-        run_simulation(server_app=server, client_app=build_client_app(spec), num_supernodes=cfg.num_clients,
-                       backend_config=config, verbose_logging=verbose)
+        run_simulation(server_app=server, client_app=build_client_app(spec, deadline=limit),
+                       num_supernodes=cfg.num_clients, backend_config=config, verbose_logging=verbose)
     except KeyboardInterrupt:
-        if timed_out.is_set():
-            raise RunFailedError(f"the Flower simulation exceeded engine.flower.timeout_s="
-                                 f"{cfg.engine.flower.timeout_s:.0f}s and was stopped") from None
-        raise
+        if not timed_out.is_set():
+            raise
     finally:
-        watchdog.cancel()
+        finished.set()
+        stop.set()  # the server thread, if still running, stops at its next poll
         _shutdown_ray()
+    if timed_out.is_set():
+        raise RunFailedError(f"the Flower simulation exceeded engine.flower.timeout_s="
+                             f"{cfg.engine.flower.timeout_s:g}s and was stopped")
     if "error" in outcome:
         raise outcome["error"]
     if "result" not in outcome:
         raise RunFailedError("the Flower simulation ended without a result (see the log above)")
     return outcome["result"]
+
+
+def _watchdog(timeout_s: float, stop: threading.Event, finished: threading.Event, timed_out: threading.Event) -> None:
+    """After ``timeout_s``: stop the server; if the simulation still has not returned, interrupt it."""
+    if finished.wait(bounded_wait(timeout_s)):
+        return
+    timed_out.set()
+    stop.set()
+    if not finished.wait(WATCHDOG_GRACE_S):
+        os.kill(os.getpid(), signal.SIGINT)  # a real signal wakes a main thread blocked in a join
+
+
+def _init_ray(config: dict[str, Any]) -> None:
+    """Start Ray as Flower's backend would, but keep fedsim's signal handlers (see the module doc)."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    if "address" not in config["init_args"]:
+        reaper.ensure_started()  # the agents of a local Ray must not outlive a killed driver
+    pythonpath = os.pathsep.join([*sys.path, *([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])])
+    with signal_handlers_kept():
+        ray.init(runtime_env={"env_vars": {"PYTHONPATH": pythonpath}}, **{"include_dashboard": False,
+                                                                            **config["init_args"]})
 
 
 def _shutdown_ray() -> None:

@@ -6,10 +6,13 @@ node keeps a persistent ``Context`` (so ``context.state`` survives across rounds
 simulation, and the server can checkpoint it).  Client exceptions become error replies, exactly as
 Flower's runtimes report them.
 
-Deadlines: a round's calls never run past the round timeout (later calls get a timeout reply
-without running), and with ``engine.client_timeout_s`` (or injected hangs) each call runs in a
-daemon thread joined with that limit.  A call that overruns is abandoned with a timeout reply; the
-abandoned thread may still be using the learner, so the next call builds a fresh one.
+Deadlines: the clients of a simulated round conceptually run in parallel, so each call gets a
+budget of its own, counted from its own start: ``min(engine.client_timeout_s, round_timeout_s)``
+(:func:`~fedsim.engine.runtime.client_call_limit`; the round timeout when unset), and a hanging
+client costs its own slot only (the calls after it run normally).  Each call runs in a daemon thread
+waited for with that limit; one that overruns is abandoned with a timeout reply, and since the
+abandoned thread may still be using the learner, the next call builds a fresh one.  The wall time of
+a sequential round is therefore at most (calls × limit), its simulated length at most the limit.
 
 With ``engine.vectorise`` a round's training messages are answered together by
 :func:`clients.vectorised.train_cohort` (the sequential result to float tolerance): ``true`` wherever
@@ -22,8 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
-import time
 import uuid
 from collections.abc import Iterable
 
@@ -33,14 +34,19 @@ from flwr.common.constant import SUPERLINK_NODE_ID
 
 from fedsim.engine.driver import DriverGrid, call_client_app, error_reply, task_identity
 from fedsim.engine.history import RoundObserver
-from fedsim.engine.runtime import RunSpec, build_client_app, drop_learners
+from fedsim.engine.runtime import (ClientTimeout, RunSpec, build_client_app, call_with_deadline, client_call_limit,
+                                   release_hangs)
 from fedsim.engine.server import ServerResult, run_server
 
 log = logging.getLogger("fedsim")
 
 
 class InProcessGrid(DriverGrid):
-    """Synchronous in-process Grid: ``send_and_receive`` runs the ClientApp for each message."""
+    """Synchronous in-process Grid: ``send_and_receive`` runs the ClientApp for each message.
+
+    ``client_timeout`` limits each call (None: calls run inline, unlimited); the ``timeout`` of
+    ``send_and_receive`` caps it further, per call, from that call's own start.
+    """
 
     def __init__(self, client_app: ClientApp, num_nodes: int, run_id: int = 1,
                  client_timeout: float | None = None, vectorise_spec: RunSpec | None = None) -> None:
@@ -48,7 +54,7 @@ class InProcessGrid(DriverGrid):
         self.client_timeout = client_timeout
         self.vectorise_spec = vectorise_spec  # set: train a round's cohort together (engine.vectorise true/auto)
         self._vectorise_refused: str | None = None
-        self._deadline: float | None = None
+        self._call_timeout: float | None = None  # the timeout of the send_and_receive under way
         self._init_nodes(run_id, num_nodes)
         self._replies: dict[str, Message] = {}
 
@@ -107,27 +113,22 @@ class InProcessGrid(DriverGrid):
         return [self._replies.pop(i) for i in message_ids if i in self._replies]
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
-        self._deadline = time.monotonic() + timeout if timeout is not None else None
+        self._call_timeout = timeout
         try:
             return self.pull_messages(self.push_messages(messages))
         finally:
-            self._deadline = None
+            self._call_timeout = None
+
+    def call_limit(self) -> float | None:
+        """This call's own budget: the client limit, capped by the current ``send_and_receive`` timeout."""
+        limits = [x for x in (self.client_timeout, self._call_timeout) if x is not None]
+        return min(limits) if self.client_timeout is not None and limits else None
 
     def _deliver(self, msg: Message) -> Message:
-        left = None if self._deadline is None else self._deadline - time.monotonic()
-        if left is not None and left <= 0:
-            return error_reply(msg, "timeout: the round's deadline passed before this client ran")
-        limit = min(x for x in (self.client_timeout, left) if x is not None) if self.client_timeout else None
-        if limit is None:
-            return self._call(msg)
-        box: dict[str, Message] = {}
-        worker = threading.Thread(target=lambda: box.setdefault("reply", self._call(msg)), daemon=True)
-        worker.start()
-        worker.join(limit)
-        if worker.is_alive():  # abandoned: it may still touch the learner, so drop it for a fresh one
-            drop_learners()
-            return error_reply(msg, f"timeout: no reply within {limit:.1f}s")
-        return box["reply"]
+        try:
+            return call_with_deadline(lambda: self._call(msg), self.call_limit())
+        except ClientTimeout as exc:  # abandoned (a learner it was inside is dropped for a fresh one)
+            return error_reply(msg, str(exc))
 
     def _call(self, msg: Message) -> Message:
         return call_client_app(self.client_app, msg, self.contexts[msg.metadata.dst_node_id])
@@ -138,16 +139,11 @@ def server_identity(run_id: int) -> contextlib.AbstractContextManager[None]:
     return task_identity(run_id, SUPERLINK_NODE_ID)
 
 
-def client_time_limit(spec: RunSpec) -> float | None:
-    """The per-call limit of the in-process engines (None: calls run inline, no thread)."""
-    e = spec.cfg.engine
-    if e.client_timeout_s is not None:
-        return e.client_timeout_s
-    return e.round_timeout_s if e.faults.hang_fraction > 0 else None
-
-
 def run_local(spec: RunSpec, observers: list[RoundObserver], **server_kwargs) -> ServerResult:
-    grid = InProcessGrid(build_client_app(spec), spec.cfg.num_clients, client_timeout=client_time_limit(spec),
+    grid = InProcessGrid(build_client_app(spec), spec.cfg.num_clients, client_timeout=client_call_limit(spec.cfg),
                          vectorise_spec=spec if spec.cfg.engine.vectorise is not False else None)
-    with server_identity(run_id=1):
-        return run_server(grid, spec, observers, **server_kwargs)
+    try:
+        with server_identity(run_id=1):
+            return run_server(grid, spec, observers, **server_kwargs)
+    finally:
+        release_hangs()  # abandoned injected hangs end now instead of idling for hang_s

@@ -17,15 +17,22 @@ How it differs from Flower's simulation (``engine.name=flower``):
   serves those partitions by dedicated actors of that size (one per distinct size, started on
   first use); everyone else is served by the pool of ``engine.ray.num_actors`` actors of
   ``actor_num_cpus`` / ``actor_num_gpus`` each (None: as many as fit, at most one per client).
-* **Deadlines.**  A call running longer than ``engine.client_timeout_s`` (None: the round timeout;
-  counted from when it reaches the head of its actor's queue) becomes an error reply
-  (``"timeout: no reply within 5.0s"``), its actor is killed and replaced, and the calls queued
-  behind it go to other actors.  A dying actor is replaced the same way; its call becomes an error
-  reply.  ``send_and_receive`` never waits past its ``timeout`` (the round's): the calls still out
-  then get timeout replies; they still run on their actors and their replies are dropped (a slow
-  round does not kill healthy actors, and Ray's actor-task cancellation, which can stall a queue, is
-  never used).  Client exceptions become error replies
-  (code 2), as in every engine.
+* **Deadlines.**  The clients of a simulated round conceptually run in parallel, so each call has a
+  budget of its own, counted from when it reaches the head of its actor's queue (queueing is the
+  pool's business, not the client's): ``min(engine.client_timeout_s, round_timeout_s)``
+  (:func:`~fedsim.engine.runtime.client_call_limit`), capped by the ``timeout`` of
+  ``send_and_receive``.  The actor enforces it itself (the ClientApp abandons an overrunning call's
+  thread and answers ``"timeout: no reply within 5.0s"``), so a hang does not cost an actor restart;
+  a call still unanswered ``KILL_GRACE_S`` later (a hang the actor cannot escape) becomes the same
+  error reply, its actor is killed and replaced, and the calls queued behind it go to other actors
+  and run.  Either way a hanging client costs its own slot only.  A dying actor is replaced the same
+  way; its call becomes an error reply.  ``send_and_receive`` returns when every call is answered
+  (each one is bounded); with a ``timeout`` <= 0 every call is answered with a timeout at once,
+  without running.  Ray's actor-task cancellation, which can stall a queue, is never used.  Client
+  exceptions become error replies (code 2), as in every engine.
+* **Signals and leftovers.**  ``ray.init`` runs with fedsim's signal handlers kept (Ray's own SIGTERM
+  handler would end the run FAILED), waits on Ray last at most ``POLL_S``, and a local Ray is watched
+  by :mod:`fedsim.engine.reaper`, so its agents do not outlive a driver killed with ``kill -9``.
 
 A cluster: ``engine.ray.address=auto`` (or ``ray://host:port``, or ``$RAY_ADDRESS``) joins a running
 Ray instead of starting a local one; every node needs the same Python environment (fedsim and the
@@ -57,9 +64,11 @@ from flwr.clientapp import ClientApp
 from flwr.common.constant import SUPERLINK_NODE_ID
 
 from fedsim import config as C
+from fedsim.engine import reaper
 from fedsim.engine.driver import DriverGrid, call_client_app, error_reply, task_identity
 from fedsim.engine.history import RoundObserver
-from fedsim.engine.runtime import RunSpec, build_client_app, get_learner
+from fedsim.engine.runtime import RunSpec, build_client_app, client_call_limit, warm_learner
+from fedsim.run_lifecycle import signal_handlers_kept
 from fedsim.engine.server import ServerResult, run_server
 from fedsim.errors import ConfigError, RunFailedError
 from fedsim.logs import quiet_third_party
@@ -71,6 +80,13 @@ START_TIMEOUT_S = 300.0
 
 #: (num_cpus, num_gpus) of an actor.
 Size = tuple[float, float]
+
+#: Longest single wait on Ray, so a signal or a deadline is noticed within it.
+POLL_S = 1.0
+
+#: Seconds past a call's deadline before the driver kills its actor (the actor's own timeout reply
+#: normally comes first).
+KILL_GRACE_S = 5.0
 
 
 # -- scheduling (pure) ----------------------------------------------------------------------------
@@ -174,11 +190,11 @@ class ClientActor:
     def __init__(self, spec: RunSpec) -> None:
         quiet_third_party(spec.cfg.engine.verbose)
         self.spec = spec
-        self.app = build_client_app(spec)
+        self.app = build_client_app(spec, deadline=client_call_limit(spec.cfg))
 
     def warm(self) -> int:
         """Build the learner and its data now (``setup_summary`` loads them), before the first call."""
-        get_learner(self.spec).setup_summary()
+        warm_learner(self.spec)
         return os.getpid()
 
     def serve(self, metadata: Any, content: RecordDict, context: Context) -> tuple[Message, RecordDict]:
@@ -200,6 +216,7 @@ class _Call:
     msg_id: str
     msg: Message
     content_ref: Any  # ObjectRef of msg.content (one per distinct content)
+    limit: float  # this call's own budget, from when it reaches the head of its actor's queue
     actor: str = ""
     ref: Any = None  # ObjectRef of the (reply, state) pair
 
@@ -227,7 +244,7 @@ class RayActorGrid(DriverGrid):
         num_nodes = cfg.num_clients if num_nodes is None else num_nodes
         self.spec = spec
         self._init_nodes(run_id, num_nodes)
-        self.client_limit = float(cfg.engine.client_timeout_s or cfg.engine.round_timeout_s)
+        self.client_limit = client_call_limit(cfg)
         self.start_limit = max(float(cfg.engine.round_timeout_s), START_TIMEOUT_S)
         self._dedicated = {pid + 1: size for pid, size in dedicated_sizes(rc).items()}
         if num_actors is None:
@@ -250,9 +267,11 @@ class RayActorGrid(DriverGrid):
             raise
 
     # -- Grid interface -------------------------------------------------------------------------
-    def push_messages(self, messages: Iterable[Message]) -> list[str]:
+    def push_messages(self, messages: Iterable[Message], limit: float | None = None) -> list[str]:
+        """Queue the messages on actors; each call may run ``limit`` seconds (None: the client limit)."""
         import ray
 
+        limit = self.client_limit if limit is None else min(limit, self.client_limit)
         shipped: dict[int, Any] = {}  # id(content) -> ObjectRef: a shared payload is put once
         ids = []
         for msg in messages:
@@ -260,7 +279,7 @@ class RayActorGrid(DriverGrid):
             msg.metadata.__dict__["_message_id"] = msg_id
             if id(msg.content) not in shipped:
                 shipped[id(msg.content)] = ray.put(msg.content)
-            call = _Call(msg_id, msg, shipped[id(msg.content)])
+            call = _Call(msg_id, msg, shipped[id(msg.content)], limit)
             self._pending[msg_id] = call
             self._submit(call)
             ids.append(msg_id)
@@ -272,9 +291,12 @@ class RayActorGrid(DriverGrid):
         return [self._replies.pop(i) for i in message_ids if i in self._replies]
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        ids = self.push_messages(messages)
-        self._wait_for(ids, deadline, timeout)
+        """Every reply; each call bounded by its own budget (the client limit, capped by ``timeout``)."""
+        messages = list(messages)
+        if timeout is not None and timeout <= 0:
+            return [error_reply(m, "timeout: the round's deadline passed before this client ran") for m in messages]
+        ids = self.push_messages(messages, timeout)
+        self._wait_for(ids)
         return [self._replies.pop(i) for i in ids if i in self._replies]
 
     def close(self) -> None:
@@ -412,7 +434,7 @@ class RayActorGrid(DriverGrid):
         refs = list(self._by_ref)
         if not refs:
             return
-        ready, rest = ray.wait(refs, num_returns=1, timeout=max(0.0, timeout))
+        ready, rest = ray.wait(refs, num_returns=1, timeout=min(max(0.0, timeout), POLL_S))
         if ready and rest:
             ready += ray.wait(rest, num_returns=len(rest), timeout=0)[0]
         for ref in [r for r in ready if isinstance(self._by_ref.get(r), str)]:
@@ -424,43 +446,34 @@ class RayActorGrid(DriverGrid):
                 self._on_done(call)
 
     # -- deadlines ------------------------------------------------------------------------------
-    def _next_wake(self, now: float, deadline: float | None) -> float:
-        wakes = [deadline] if deadline is not None else []
+    def _next_wake(self, now: float) -> float:
+        """Seconds until the next start limit or call deadline (a little past it)."""
+        wakes = []
         for actor in self.actors.values():
             if actor.warm_ref is not None:
                 wakes.append(actor.created + self.start_limit)
-            elif actor.busy_since is not None:
-                wakes.append(actor.busy_since + self.client_limit)
-        return max(0.0, min(wakes, default=now + 1.0) - now) + 0.01
+            elif actor.busy_since is not None and actor.queue:
+                wakes.append(actor.busy_since + actor.queue[0].limit + KILL_GRACE_S)
+        return max(0.0, min(wakes, default=now + POLL_S) - now) + 0.01
 
     def _expire_overdue(self, now: float) -> None:
-        """Time out each running call past the client limit; fail on an actor that cannot start."""
+        """Time out each call past its limit (and grace): its actor is killed; fail on an actor that cannot start."""
         for key, actor in list(self.actors.items()):
             if actor.warm_ref is not None and now > actor.created + self.start_limit:
                 raise RunFailedError(f"a Ray actor ({key}) did not start within {self.start_limit:.0f}s; "
                                      f"check engine.ray resources against the cluster")
-            if actor.busy_since is not None and actor.queue and now - actor.busy_since > self.client_limit:
-                self._lose(key, f"timeout: no reply within {self.client_limit:.1f}s")
+            if not (actor.busy_since is not None and actor.queue):
+                continue
+            limit = actor.queue[0].limit
+            if now - actor.busy_since > limit + KILL_GRACE_S:
+                self._lose(key, f"timeout: no reply within {limit:.1f}s")
 
-    def _expire_all(self, ids: list[str], timeout: float | None) -> None:
-        """The round deadline passed: each outstanding call of ``ids`` gets a timeout reply.
-
-        The calls stay on their actors and run to the end (their replies are dropped), still under the
-        client limit, so a healthy actor is not killed for a slow round. They are not ``ray.cancel``-ed:
-        cancelling a queued actor task can stall the calls behind it for good (ray-project/ray#60850,
-        #60910; seen here with Ray 2.55 as a healthy actor that stopped answering).
-        """
-        for call in [self._pending[i] for i in ids if i in self._pending]:
-            self._reply(call, error_reply(call.msg, f"timeout: no reply within the round timeout {timeout:.1f}s"))
-
-    def _wait_for(self, ids: list[str], deadline: float | None, timeout: float | None) -> None:
+    def _wait_for(self, ids: list[str]) -> None:
+        """Until each call of ``ids`` is answered: by its actor, by its deadline, or by its actor's death."""
         while any(i in self._pending for i in ids):
             now = time.monotonic()
             self._expire_overdue(now)
-            if deadline is not None and now >= deadline:
-                self._expire_all(ids, timeout)
-                return
-            self._poll(self._next_wake(now, deadline))
+            self._poll(self._next_wake(now))
 
 
 # -- the engine -----------------------------------------------------------------------------------
@@ -479,14 +492,16 @@ def _init_ray(cfg: C.ExperimentConfig) -> bool:
         args["address"] = address
     else:
         args["num_cpus"] = rc.ray_num_cpus or os.cpu_count() or 1
-    ray.init(**args)
+        reaper.ensure_started()  # the agents of a local Ray must not outlive a killed driver
+    with signal_handlers_kept():  # ray.init's own SIGTERM handler would end the run FAILED, not KILLED
+        ray.init(**args)
     return True
 
 
 def run_ray(spec: RunSpec, observers: list[RoundObserver], **server_kwargs: Any) -> ServerResult:
     """Run the server loop over a :class:`RayActorGrid`; actors (and a Ray we started) end with it.
 
-    ``server_kwargs`` (checkpoint_dir, resume) go to :func:`~fedsim.engine.server.run_server`.
+    ``server_kwargs`` (checkpoints, resume) go to :func:`~fedsim.engine.server.run_server`.
     """
     import ray
 

@@ -6,9 +6,12 @@ The ClientApp is shipped to Ray actors by the Flower engine, so it closes over a
 
 from __future__ import annotations
 
+import contextlib
+import math
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
@@ -33,6 +36,71 @@ class SimulatedClientFailure(RuntimeError):
     """Raised inside a ClientApp by fault injection (``engine.faults``)."""
 
 
+class ClientTimeout(RuntimeError):
+    """A client call overran its deadline (it was abandoned; the reply is an error)."""
+
+
+T = TypeVar("T")
+
+
+def bounded_wait(seconds: float | None) -> float | None:
+    """``seconds`` as a wait that never overflows a lock or ``Event.wait`` (None: wait forever).
+
+    Infinite or huge values (``hang_s=inf``, a 1e12 s timeout) become None or
+    ``threading.TIMEOUT_MAX``; negative ones 0.
+    """
+    if seconds is None or math.isnan(seconds) or (math.isinf(seconds) and seconds > 0):
+        return None
+    return min(max(seconds, 0.0), threading.TIMEOUT_MAX)
+
+
+def client_call_limit(cfg: C.ExperimentConfig) -> float:
+    """The deadline of one client call, counted from its own start: min(client, round timeout).
+
+    Clients of a simulated round conceptually run in parallel, so every engine gives each call this
+    budget of its own (a sequential engine does not share one round budget across its calls) and a
+    hanging client costs its own slot only.  ``engine.client_timeout_s=None`` means the round timeout.
+    """
+    e = cfg.engine
+    return min(e.client_timeout_s or e.round_timeout_s, e.round_timeout_s)
+
+
+def call_with_deadline(fn: Callable[[], T], limit: float | None) -> T:
+    """``fn()`` in a daemon thread, waited for at most ``limit`` seconds (None: no limit, inline).
+
+    On overrun the thread is abandoned and :class:`ClientTimeout` is raised; if the thread was inside
+    the learner (it may still be using it), this process's learners are dropped and the next call
+    builds fresh ones (an injected hang strikes before the learner, so it keeps it).  The wait is
+    interruptible: Ctrl+C or SIGTERM reach the caller at once.
+    """
+    if limit is None:
+        return fn()
+    if limit <= 0:
+        raise ClientTimeout("timeout: the deadline passed before this client ran")
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # handed to the caller below
+            box["error"] = exc
+        finally:
+            done.set()
+
+    worker = threading.Thread(target=target, name="fedsim-client-call", daemon=True)
+    worker.start()
+    if not done.wait(bounded_wait(limit)):
+        with _cache_lock:
+            in_learner = worker.ident in _in_learner
+        if in_learner:
+            drop_learners()
+        raise ClientTimeout(f"timeout: no reply within {limit:.1f}s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
 @dataclass(frozen=True)
 class RunSpec:
     """Everything a process needs to rebuild a run's components: the config, as YAML text."""
@@ -51,6 +119,7 @@ class RunSpec:
 _cache_lock = threading.Lock()
 _configs: dict[str, C.ExperimentConfig] = {}
 _learners: dict[str, Any] = {}
+_in_learner: set[int] = set()  # idents of the threads now inside a learner call (see call_with_deadline)
 
 
 def _parse_config(text: str) -> C.ExperimentConfig:
@@ -74,6 +143,16 @@ def get_learner(spec: RunSpec) -> Any:
         with _cache_lock:
             _learners.clear()  # one run per process at a time: drop previous runs' models and data
             _learners[spec.config_yaml] = learner
+    return learner
+
+
+def warm_learner(spec: RunSpec) -> Any:
+    """This process's learner with its data loaded (``setup_summary`` loads them; once per learner)."""
+    learner = get_learner(spec)
+    if not getattr(learner, "_fedsim_warm", False):
+        with torch_threads(spec.cfg.engine.threads_per_client):
+            learner.setup_summary()
+        learner._fedsim_warm = True
     return learner
 
 
@@ -133,13 +212,23 @@ def injected_fault(cfg: C.ExperimentConfig, partition_id: int, server_round: int
     return None
 
 
+_hangs_released = threading.Event()
+
+
+def release_hangs() -> None:
+    """End the injected hangs now waiting in this process (abandoned calls then finish as failures)."""
+    global _hangs_released
+    released, _hangs_released = _hangs_released, threading.Event()
+    released.set()
+
+
 def _maybe_fail(cfg: C.ExperimentConfig, partition_id: int, server_round: int, attempt: int) -> None:
     fault = injected_fault(cfg, partition_id, server_round, attempt)
     if fault == "raise":
         raise SimulatedClientFailure(f"injected failure: partition {partition_id}, round {server_round}")
-    if fault == "hang":  # an interruptible sleep: a timed-out thread or actor is abandoned or killed
-        threading.Event().wait(cfg.engine.faults.hang_s)
-        raise SimulatedClientFailure(f"injected hang of {cfg.engine.faults.hang_s:.0f}s ended: partition "
+    if fault == "hang":  # hang_s (inf: for ever) unless the call's deadline abandons it or its actor is killed
+        _hangs_released.wait(bounded_wait(cfg.engine.faults.hang_s))
+        raise SimulatedClientFailure(f"injected hang of {cfg.engine.faults.hang_s:g}s ended: partition "
                                      f"{partition_id}, round {server_round}")
 
 
@@ -175,8 +264,27 @@ def evaluate_reply(msg: Message, result: Any) -> Message:
     return Message(RecordDict({"metrics": metrics}), reply_to=msg)
 
 
-def build_client_app(spec: RunSpec) -> ClientApp:
-    """A Flower ClientApp serving train / evaluate / query with this run's learner."""
+@contextlib.contextmanager
+def _inside_learner() -> Iterator[None]:
+    """Mark this thread as using the learner for the block."""
+    ident = threading.get_ident()
+    with _cache_lock:
+        _in_learner.add(ident)
+    try:
+        yield
+    finally:
+        with _cache_lock:
+            _in_learner.discard(ident)
+
+
+def build_client_app(spec: RunSpec, deadline: float | None = None) -> ClientApp:
+    """A Flower ClientApp serving train / evaluate / query with this run's learner.
+
+    With ``deadline`` each train / evaluate call runs under :func:`call_with_deadline` inside the
+    ClientApp (the flower engine, whose runtime has no per-call limit of its own, and the ray
+    engine's actors): an overrun is answered with a :class:`ClientTimeout` error reply and frees its
+    worker for the next call.  The learner is built (data loaded) before that clock starts.
+    """
     app = ClientApp()
 
     @app.query()
@@ -187,10 +295,16 @@ def build_client_app(spec: RunSpec) -> ClientApp:
     def serve(msg: Message, context: Context, method: str) -> Any:
         cfg = spec.cfg
         ctx = node_context(msg, context, cfg)
-        if method == "train":
-            _maybe_fail(cfg, ctx.partition_id, ctx.server_round, int(ctx.config.get(ATTEMPT, 0)))
-        with torch_threads(cfg.engine.threads_per_client):
-            return getattr(get_learner(spec), method)(_decoded(msg.content["arrays"]), ctx)
+        if deadline is not None:  # a process's first call builds the learner: set-up, not the client's time
+            warm_learner(spec)
+
+        def call() -> Any:
+            if method == "train":
+                _maybe_fail(cfg, ctx.partition_id, ctx.server_round, int(ctx.config.get(ATTEMPT, 0)))
+            with torch_threads(cfg.engine.threads_per_client), _inside_learner():
+                return getattr(get_learner(spec), method)(_decoded(msg.content["arrays"]), ctx)
+
+        return call_with_deadline(call, deadline)
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:

@@ -50,3 +50,18 @@ def test_ctrl_c_kills_the_run_without_a_recorder() -> None:
     with pytest.raises(KeyboardInterrupt), tracked_run(None, on_end=ended.append):
         raise KeyboardInterrupt
     assert ended == ["KILLED"]
+
+
+def test_sighup_kills_the_run_unless_it_is_ignored() -> None:
+    rec = Recorder()
+    with pytest.raises(KeyboardInterrupt), tracked_run(rec):
+        os.kill(os.getpid(), signal.SIGHUP)
+        time.sleep(5)  # the handler interrupts this at once
+    assert rec.statuses == ["KILLED"]
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as under nohup
+    try:
+        with tracked_run(rec):
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        assert rec.statuses == ["KILLED", "FINISHED"]
+    finally:
+        signal.signal(signal.SIGHUP, previous)

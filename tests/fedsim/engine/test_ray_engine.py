@@ -140,7 +140,7 @@ def _dead(handle) -> None:
 def test_dead_and_hung_actors_become_error_replies_and_are_replaced(local_ray) -> None:
     """One pool: spread of calls, an actor killed under the grid, then a run with a hung client."""
     import ray
-    from flwr.app import Message, MessageType, RecordDict
+    from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
     from flwr.common.constant import SUPERLINK_NODE_ID
 
     from fedsim.engine.history import History
@@ -169,11 +169,20 @@ def test_dead_and_hung_actors_become_error_replies_and_are_replaced(local_ray) -
             assert grid.replaced == 1 and grid.actors["pool-0"].handle is not dead
 
             run_server(grid, spec, [history])
-            assert grid.replaced == 2  # the hung actor was killed and replaced too
+            assert grid.replaced == 1  # the actor timed the hung call out itself: no restart
 
-            # past the round deadline: every call gets a timeout reply, but no healthy actor is killed
+            # a hang the actor does not cut in time (here: a 1 s budget below its own 20 s deadline) is
+            # cut by the driver KILL_GRACE_S later, and its actor is killed and replaced
+            hang = Message(RecordDict({"arrays": ArrayRecord(), "config": ConfigRecord({"server-round": 1})}),
+                           hung + 1, MessageType.TRAIN)
+            start = time.monotonic()
+            [reply] = grid.send_and_receive([hang], timeout=1.0)
+            assert reply.error.reason == "timeout: no reply within 1.0s"
+            assert time.monotonic() - start < 1 + R.KILL_GRACE_S + 30 and grid.replaced == 2
+
+            # no time left: every call gets a timeout reply without running, and no actor is killed
             late = query_all(timeout=0.0)
-            assert [r.error.reason for r in late] == ["timeout: no reply within the round timeout 0.0s"] * 4
+            assert [r.error.reason for r in late] == ["timeout: the round's deadline passed before this client ran"] * 4
             assert grid.replaced == 2
             assert [r.error.reason for r in query_all() if r.has_error()] == []
     finally:

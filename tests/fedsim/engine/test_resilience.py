@@ -85,13 +85,15 @@ def test_below_the_minimum_the_round_fails_clearly() -> None:
         run_experiment(cfg)
 
 
-def test_the_round_deadline_bounds_a_round_of_hanging_clients() -> None:
-    """Every client hangs; the round timeout (2 s) ends the wait, whatever the client limit says."""
+def test_the_round_timeout_caps_each_call_of_a_round_of_hanging_clients() -> None:
+    """Every client hangs; each call gets the round timeout (1 s) as its own budget, whatever the
+    client limit says, so the sequential round of 4 calls takes about 4 s, not the 60 s hang."""
     import time
 
-    cfg = load("rounds=1", "engine.faults.hang_fraction=1.0", "engine.faults.hang_s=60", "engine.round_timeout_s=2")
+    cfg = load("rounds=1", "num_clients=4", "data.partition.name=iid", "engine.faults.hang_fraction=1.0", "engine.faults.hang_s=60",
+               "engine.round_timeout_s=1", "engine.client_timeout_s=30")
     start = time.monotonic()
-    with pytest.raises(RunFailedError, match="0 training results"):
+    with pytest.raises(RunFailedError, match="0 training results.*timeout: no reply within 1.0s"):
         run_experiment(cfg)
     assert time.monotonic() - start < 20
 
