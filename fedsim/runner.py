@@ -6,8 +6,8 @@ resources), so a bad input never leaves a half-written run behind.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,36 +91,46 @@ def run_experiment(
     ``resume_run_id`` continues that run from its last checkpoint, logging into the same MLflow run.
     """
     quiet_third_party(cfg.engine.verbose)
+    if cfg.tracking.enabled:  # flag > $MLFLOW_TRACKING_URI > the file's tracking.uri; checked before anything starts
+        from fedsim.tracking import resolve_tracking_uri
+
+        tracking_uri = resolve_tracking_uri(tracking_uri, cfg.tracking.uri, check=True)
     spec = RunSpec.from_config(cfg)
     preflight(spec)
-    resume = _load_resume(cfg, resume_run_id) if resume_run_id else None
-    learner = get_learner(spec)
-    # Build data now, so data errors surface before an MLflow run exists.
-    learner.preflight()
-    setup = learner.setup_summary()
-    ledger = _privacy_ledger(cfg, learner, setup)
-    history = History()
-    recorder = None
-    if cfg.tracking.enabled:
-        from fedsim.tracking import MlflowRecorder, git_commit
+    held, resume = _load_resume(cfg, resume_run_id) if resume_run_id else (None, None)
+    try:  # the resumed run's lock is held from here: let it go if the run does not start
+        learner = get_learner(spec)
+        # Build data now, so data errors surface before an MLflow run exists.
+        learner.preflight()
+        setup = learner.setup_summary()
+        ledger = _privacy_ledger(cfg, learner, setup)
+        history = History()
+        recorder = None
+        if cfg.tracking.enabled:
+            from fedsim.tracking import MlflowRecorder, git_commit
 
-        if resume_run_id:
-            recorder = MlflowRecorder.reopen(tracking_uri or cfg.tracking.uri, resume_run_id)
-        else:
-            tags = {"experiment": cfg.name, "strategy": cfg.strategy.name, "engine": cfg.engine.name,
-                    "seed": str(cfg.seed), "git_commit": git_commit(), "learner": cfg.client.learner}
-            if not learner.owns_environment:
-                tags["dataset"] = cfg.data.name
-            if parent_run_id:
-                tags["mlflow.parentRunId"] = parent_run_id
-            recorder = MlflowRecorder(tracking_uri or cfg.tracking.uri, cfg.tracking.experiment,
-                                      run_name=run_name or f"{cfg.name}-seed{cfg.seed}", tags=tags)
-    checkpoint_dir = _checkpoint_dir(cfg, recorder.run_id if recorder else None)
+            if resume_run_id:
+                recorder = MlflowRecorder.reopen(tracking_uri, resume_run_id)
+            else:
+                tags = {"experiment": cfg.name, "strategy": cfg.strategy.name, "engine": cfg.engine.name,
+                        "seed": str(cfg.seed), "git_commit": git_commit(), "learner": cfg.client.learner}
+                if not learner.owns_environment:
+                    tags["dataset"] = cfg.data.name
+                if parent_run_id:
+                    tags["mlflow.parentRunId"] = parent_run_id
+                recorder = MlflowRecorder(tracking_uri, cfg.tracking.experiment,
+                                          run_name=run_name or f"{cfg.name}-seed{cfg.seed}", tags=tags)
+    except BaseException:
+        if held is not None:
+            held.release()
+        raise
+    checkpoint_dir = _checkpoint_dir(cfg, recorder.run_id if recorder else None, held)
     replayed: list[RoundObserver] = [*([ledger] if ledger else []), history, *(observers or [])]
     all_observers = [*replayed, *([recorder] if recorder is not None else [])]
     start = time.perf_counter()
     run_id = recorder.run_id if recorder else None
-    with tracked_run(recorder, on_end=lambda status: _settle_checkpoint(cfg, checkpoint_dir, status, run_id)):
+    settled = checkpoint_dir or held
+    with tracked_run(recorder, on_end=lambda status: _settle_checkpoint(cfg, settled, status, run_id)):
         if recorder is not None and resume is None:
             params = C.flatten(C.to_container(cfg))
             if learner.owns_environment:  # its data and model live in client.params: cfg.data / cfg.model are unused
@@ -130,14 +140,15 @@ def run_experiment(
             for path in learner.setup_artifacts(recorder.artifact_dir):
                 recorder.log_artifact(path, "plots")
         if recorder is not None and checkpoint_dir is not None:
-            recorder.set_tag("fedsim.checkpoint", str(checkpoint_dir))
+            recorder.set_tag("fedsim.checkpoint", str(checkpoint_dir.path))
         if resume is not None:
             for record in resume.records:  # the rounds before the checkpoint, for the ledger and the history
                 for obs in replayed:
                     obs.on_round(record)
             if recorder is not None:
+                _log_missing_rounds(recorder, resume.records)
                 recorder.set_tag("fedsim.resumed_from_round", str(resume.round))
-        server_kwargs = {"checkpoint_dir": checkpoint_dir, "resume": resume} if checkpoint_dir or resume else {}
+        server_kwargs = {"checkpoints": checkpoint_dir, "resume": resume} if checkpoint_dir or resume else {}
         result = _engine(cfg.engine.name)(spec, all_observers, **server_kwargs)
         report, report_files = learner.final_report(history, recorder.artifact_dir if recorder else None)
         if report and history.records:
@@ -155,42 +166,78 @@ def run_experiment(
                       recorder.uri if recorder else None, ledger)
 
 
-def _checkpoint_dir(cfg: C.ExperimentConfig, run_id: str | None) -> Path | None:
-    """Where this run checkpoints (None: checkpoints off, untracked, or an engine that cannot)."""
+def _checkpoint_dir(cfg: C.ExperimentConfig, run_id: str | None, held: Any = None) -> Any:
+    """Where this run checkpoints, a :class:`~fedsim.engine.checkpoint.CheckpointDir` (None: checkpoints
+    off, untracked, or an engine that cannot); ``held`` is the resumed run's, already locked."""
+    from fedsim.engine import checkpoint as ckpt
+
     if not cfg.engine.checkpoint or run_id is None or cfg.engine.name not in CHECKPOINTING_ENGINES:
         return None
+    return held or ckpt.CheckpointDir(_checkpoint_path(cfg, run_id), run_id)
+
+
+def _checkpoint_path(cfg: C.ExperimentConfig, run_id: str) -> Path:
     return Path(cfg.engine.checkpoint_dir).expanduser().resolve() / run_id
 
 
-def _settle_checkpoint(cfg: C.ExperimentConfig, directory: Path | None, status: str, run_id: str | None) -> None:
-    """Remove a finished run's checkpoint (unless kept); tell how to resume an unfinished one."""
-    if directory is None or not directory.exists():
+def _settle_checkpoint(cfg: C.ExperimentConfig, checkpoints: Any, status: str, run_id: str | None) -> None:
+    """Remove a finished run's checkpoint (unless kept), tell how to resume an unfinished one, drop the
+    lock, and remove the checkpoint root if the run left it empty."""
+    if checkpoints is None:
         return
-    if status == "FINISHED":
-        if not cfg.engine.keep_checkpoint:
-            shutil.rmtree(directory, ignore_errors=True)
-        return
-    import logging
+    directory = checkpoints.path
+    if status == "FINISHED" and not cfg.engine.keep_checkpoint:
+        shutil.rmtree(directory, ignore_errors=True)
+    elif status != "FINISHED" and checkpoints.exists():
+        import logging
 
-    from fedsim.engine import checkpoint as ckpt
-
-    if ckpt.exists(directory):
         logging.getLogger("fedsim").warning("run %s stopped (%s); continue it with: fedsim run %s --resume %s",
                                             run_id, status, cfg.name, run_id)
+    checkpoints.release()
+    with contextlib.suppress(OSError):  # only if empty: other runs' checkpoints stay
+        directory.parent.rmdir()
 
 
-def _load_resume(cfg: C.ExperimentConfig, run_id: str) -> Any:
-    """The checkpoint of ``run_id``, after checking it may continue under ``cfg``."""
+def _log_missing_rounds(recorder: Any, records: list[Any]) -> None:
+    """Log the checkpointed rounds' metrics that the MLflow run lacks (a kill came between the two).
+
+    Each (metric, step) reaches the run exactly once across any number of kills and resumes.
+    """
+    client, run_id = recorder.client, recorder.run_id
+    logged = {key: {m.step for m in client.get_metric_history(run_id, key)}
+              for key in client.get_run(run_id).data.metrics}
+    for record in records:
+        missing = {k: v for k, v in record.as_metrics().items() if record.round not in logged.get(k, ())}
+        if missing:
+            recorder.log_metrics(missing, step=record.round)
+
+
+def _load_resume(cfg: C.ExperimentConfig, run_id: str) -> tuple[Any, Any]:
+    """The locked checkpoint directory of ``run_id`` and its checkpoint, checked to continue under ``cfg``.
+
+    A run still alive elsewhere holds the lock: that is a one-line ConfigError, before anything starts.
+    """
     from fedsim.engine import checkpoint as ckpt
-    from fedsim.engine.runtime import RunSpec as _Spec
 
     if not cfg.tracking.enabled:
         raise C.ConfigError("--resume continues an MLflow run, so it needs tracking; drop --no-tracking")
     if cfg.engine.name not in CHECKPOINTING_ENGINES:
         raise C.ConfigError(f"--resume works on the {' and '.join(CHECKPOINTING_ENGINES)} engines, not "
                             f"{cfg.engine.name!r}; add --engine local")
-    directory = Path(cfg.engine.checkpoint_dir).expanduser().resolve() / run_id
-    checkpoint = ckpt.load(directory)
+    held = ckpt.CheckpointDir(_checkpoint_path(cfg, run_id), run_id)
+    if held.path.is_dir():  # no directory: nothing to lock, and load says there is no checkpoint
+        held.lock()
+    try:
+        return held, _check_resumable(cfg, run_id, held.load())
+    except BaseException:
+        held.release()
+        raise
+
+
+def _check_resumable(cfg: C.ExperimentConfig, run_id: str, checkpoint: Any) -> Any:
+    """``checkpoint`` if it may continue under ``cfg`` (same config but engine/tracking/rounds)."""
+    from fedsim.engine.runtime import RunSpec as _Spec
+
     saved = _Spec(checkpoint.config_yaml).cfg
     if checkpoint.round > cfg.rounds:
         raise C.ConfigError(f"run {run_id} already completed round {checkpoint.round} but --rounds is {cfg.rounds}; "
@@ -237,7 +284,7 @@ def _log_outputs(recorder: Any, cfg: C.ExperimentConfig, history: History, resul
                                  f"{cfg.name}: {cfg.strategy.name}, {cfg.num_clients} clients, seed {cfg.seed}")
     recorder.log_artifact(curve, "plots")
     if cfg.tracking.log_model:
-        path = Path(tempfile.mkdtemp(prefix="fedsim-model-")) / "global_model.pt"
+        path = recorder.artifact_dir / "global_model.pt"  # removed with the folder when the run ends
         torch.save(result.arrays, path)
         recorder.log_artifact(path, "model")
 

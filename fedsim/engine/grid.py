@@ -11,6 +11,8 @@ in-process one) and
   stragglers past the deadline are removed from a training round before anything is computed;
 * resends a failed client's message (an exception or a timeout) up to ``engine.retries`` times,
   with the attempt number in the round config (``fedsim-attempt``);
+* counts a training reply with a non-finite loss or non-finite parameters as a failed client (with
+  the reason) and keeps it from the strategy, whatever the engine;
 * counts successful and failed replies per round, keeps each failure's reason, computes
   sample-size-weighted means of the reply metrics, and raises :class:`RunFailedError` when fewer
   training results than the strategy's minimum come back.
@@ -18,11 +20,13 @@ in-process one) and
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+import numpy as np
+from flwr.app import Array, ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
 from fedsim.engine.runtime import ATTEMPT, NUM_EXAMPLES, PARTITION_ID, UNIT_WEIGHT
@@ -62,6 +66,27 @@ def weighted_means(replies: list[Message]) -> dict[str, float]:
                 sums[k] = sums.get(k, 0.0) + w * float(v)
                 weights[k] = weights.get(k, 0.0) + w
     return {k: sums[k] / weights[k] for k in sums if weights[k] > 0}
+
+
+def finite_array(array: Array) -> bool:
+    """Whether a Flower ``Array`` holds no NaN or infinity (non-float arrays always do)."""
+    if not np.issubdtype(np.dtype(array.dtype), np.inexact):
+        return True
+    value = array.__dict__.get("_ndarray")  # a ResidentArray's own array (fedsim.engine.arrays): no copy
+    return bool(np.isfinite(array.numpy() if value is None else value).all())
+
+
+def non_finite_reason(msg: Message) -> str | None:
+    """Why a training reply cannot be aggregated (a non-finite loss or parameter); None if it can."""
+    metrics = msg.content["metrics"] if "metrics" in msg.content else {}
+    loss = metrics.get("train_loss")
+    if isinstance(loss, (int, float)) and not math.isfinite(loss):
+        return f"non-finite loss ({loss}): lower client.lr"
+    for record in msg.content.array_records.values():
+        for key, array in record.items():
+            if not finite_array(array):
+                return f"non-finite parameters ({key}): lower client.lr"
+    return None
 
 
 class MonitoredGrid(Grid):
@@ -132,10 +157,14 @@ class MonitoredGrid(Grid):
         deadline = time.monotonic() + timeout if timeout is not None else None
         replies = self._send_with_retries(messages, deadline)
         replies.sort(key=lambda m: self.partition_of.get(m.metadata.src_node_id, 1 << 62))
-        ok = [m for m in replies if not m.has_error()]
         missing = len(messages) - len(replies)
+        rejected: list[tuple[Message, str]] = []
+        if kind == MessageType.TRAIN:
+            replies, rejected = _reject_non_finite(replies)
+        ok = [m for m in replies if not m.has_error()]
         failures = [f"partition {self.partition_of.get(m.metadata.src_node_id, '?')}: {self._reason(m)}"
                     for m in replies if m.has_error()]
+        failures += [f"partition {self.partition_of.get(m.metadata.src_node_id, '?')}: {why}" for m, why in rejected]
         failures += [f"no reply within {timeout}s"] * missing
         self.tally.failures += [f"{kind}: {f}" for f in failures]
         if kind == MessageType.TRAIN:
@@ -195,6 +224,18 @@ class MonitoredGrid(Grid):
         reason = (msg.error.reason or "").strip()
         lines = [ln for ln in reason.splitlines() if ln.strip()]
         return lines[-1].strip() if lines else f"error code {msg.error.code}"
+
+
+def _reject_non_finite(replies: list[Message]) -> tuple[list[Message], list[tuple[Message, str]]]:
+    """Split the replies into those the strategy may see and the non-finite ones with their reason."""
+    kept, rejected = [], []
+    for msg in replies:
+        why = None if msg.has_error() else non_finite_reason(msg)
+        if why is None:
+            kept.append(msg)
+        else:
+            rejected.append((msg, why))
+    return kept, rejected
 
 
 def _round_of(msg: Message) -> int:

@@ -4,10 +4,13 @@
 the strategy from the registry and runs the round loop over a :class:`MonitoredGrid`.  The loop is
 Flower's own ``Strategy.start`` sequence (configure_train → send → aggregate_train →
 configure_evaluate → send → aggregate_evaluate → centralised evaluation), written out here so that a
-run can start at any round: that is what resuming from a checkpoint needs.  Closing a round
-evaluates the global model, emits a :class:`RoundRecord` to the observers, re-seeds Python's
-``random`` (which Flower's node sampling uses) and NumPy's for the next round, and saves a
-checkpoint (:mod:`fedsim.engine.checkpoint`) when asked.
+run can start at any round: that is what resuming from a checkpoint needs.  A round whose
+aggregated global model is not finite fails the run (:class:`RunFailedError`, naming the round).
+Closing a round evaluates the global model, builds its :class:`RoundRecord`, re-seeds Python's
+``random`` (which Flower's node sampling uses) and NumPy's for the next round, saves a checkpoint
+(:mod:`fedsim.engine.checkpoint`) when asked, and only then emits the record to the observers
+(MLflow): a kill between the two leaves a checkpoint holding a record MLflow may lack, which a
+resume logs (``fedsim.runner``), never a logged round that the resume would play and log again.
 """
 
 from __future__ import annotations
@@ -18,18 +21,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from pathlib import Path
-
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord
 from flwr.serverapp import Grid
 
 from fedsim.engine import checkpoint as ckpt
-from fedsim.engine.grid import MonitoredGrid
+from fedsim.engine.grid import MonitoredGrid, finite_array
 from fedsim.engine.history import RoundObserver, RoundRecord
 from fedsim.engine.runtime import RunSpec, get_learner, torch_threads
 from fedsim.engine.system import SystemModel
-from fedsim.errors import ConfigError
+from fedsim.errors import ConfigError, RunFailedError
 from fedsim.registry import STRATEGIES
 from fedsim.seeding import derive_seed
 
@@ -96,11 +97,19 @@ def play_round(strategy: Any, grid: Grid, server_round: int, arrays: ArrayRecord
     return arrays
 
 
+def check_finite(arrays: ArrayRecord, server_round: int) -> None:
+    """Fail the run when the aggregated global model holds a NaN or an infinity."""
+    bad = [k for k, a in arrays.items() if not finite_array(a)]
+    if bad:
+        raise RunFailedError(f"round {server_round}: the aggregated global model is not finite ({bad[0]}"
+                             f"{f' and {len(bad) - 1} more' if len(bad) > 1 else ''}); lower client.lr")
+
+
 def run_server(grid: Grid, spec: RunSpec, observers: list[RoundObserver], *,
-               checkpoint_dir: Path | None = None, resume: ckpt.Checkpoint | None = None) -> ServerResult:
+               checkpoints: ckpt.CheckpointDir | None = None, resume: ckpt.Checkpoint | None = None) -> ServerResult:
     """Run the rounds of ``spec`` on ``grid``; from ``resume``'s round when given.
 
-    With ``checkpoint_dir`` the server state is saved there after every round; it needs a grid that
+    With ``checkpoints`` the server state is saved there after every round; it needs a grid that
     keeps its nodes' contexts on the server side (``grid.contexts``: the local and ray engines).
     """
     cfg = spec.cfg
@@ -111,11 +120,19 @@ def run_server(grid: Grid, spec: RunSpec, observers: list[RoundObserver], *,
                               system=system, retries=cfg.engine.retries)
     monitored.discover(cfg.num_clients)
     contexts = getattr(grid, "contexts", None)
-    if checkpoint_dir is not None and contexts is None:
+    if checkpoints is not None and contexts is None:
         raise ConfigError(f"engine {cfg.engine.name!r} keeps no node state on the server, so it cannot checkpoint; "
                           f"use engine.name=local or ray, or set engine.checkpoint=false")
     records: list[RoundRecord] = []
-    close_round = _round_closer(spec, monitored, records, observers)
+
+    def save(server_round: int, arrays: ArrayRecord) -> None:
+        assert checkpoints is not None
+        checkpoints.save(ckpt.Checkpoint(
+            round=server_round, config_yaml=spec.config_yaml, arrays=arrays.to_torch_state_dict(),
+            strategy_state=ckpt.strategy_state(strategy), node_states=ckpt.node_states(contexts or {}),
+            rng=ckpt.rng_states(), records=list(records)))
+
+    close_round = _round_closer(spec, monitored, records, observers, save if checkpoints is not None else None)
 
     if resume is None:
         with torch_threads(cfg.engine.threads_per_client):
@@ -133,18 +150,14 @@ def run_server(grid: Grid, spec: RunSpec, observers: list[RoundObserver], *,
 
     for server_round in range(first, cfg.rounds + 1):
         arrays = play_round(strategy, monitored, server_round, arrays, cfg.engine.round_timeout_s)
+        check_finite(arrays, server_round)
         close_round(server_round, arrays)
-        if checkpoint_dir is not None:
-            ckpt.save(checkpoint_dir, ckpt.Checkpoint(
-                round=server_round, config_yaml=spec.config_yaml, arrays=arrays.to_torch_state_dict(),
-                strategy_state=ckpt.strategy_state(strategy), node_states=ckpt.node_states(contexts or {}),
-                rng=ckpt.rng_states(), records=list(records)))
     return ServerResult(arrays.to_torch_state_dict(), records)
 
 
-def _round_closer(spec: RunSpec, monitored: MonitoredGrid, records: list[RoundRecord],
-                  observers: list[RoundObserver]) -> Callable[[int, ArrayRecord], None]:
-    """The end of a round: evaluate, record, notify the observers, seed the next round."""
+def _round_closer(spec: RunSpec, monitored: MonitoredGrid, records: list[RoundRecord], observers: list[RoundObserver],
+                  save: Callable[[int, ArrayRecord], None] | None) -> Callable[[int, ArrayRecord], None]:
+    """The end of a round: evaluate, record, seed the next round, checkpoint, then notify the observers."""
     cfg = spec.cfg
 
     def close_round(server_round: int, arrays: ArrayRecord) -> None:
@@ -155,7 +168,9 @@ def _round_closer(spec: RunSpec, monitored: MonitoredGrid, records: list[RoundRe
         if cfg.evaluation.server:
             with torch_threads(cfg.engine.threads_per_client):
                 # looked up each round: an engine may replace the learner (after an abandoned call)
-                metrics.update(_prefixed("eval", get_learner(spec).evaluate_global(arrays.to_torch_state_dict())))
+                evaluated = get_learner(spec).evaluate_global(arrays.to_torch_state_dict())
+                metrics.update(_prefixed("eval", evaluated))
+                metrics.update({k: float(v) for k, v in evaluated.items() if k.startswith("val/")})  # validation split
         seconds = time.perf_counter() - tally.started if tally.started is not None else 0.0
         record = RoundRecord(server_round, metrics, seconds, tally.train_ok, tally.train_failed + tally.eval_failed,
                              list(tally.failures), dict(tally.client_train_metrics),
@@ -164,9 +179,11 @@ def _round_closer(spec: RunSpec, monitored: MonitoredGrid, records: list[RoundRe
         for failure in tally.failures:
             log.warning("round %d: client failure: %s", server_round, failure)
         records.append(record)
+        seed_round(cfg.seed, server_round + 1)
+        if save is not None and server_round > 0:
+            save(server_round, arrays)  # before the observers: see the module docstring
         for obs in observers:
             obs.on_round(record)
-        seed_round(cfg.seed, server_round + 1)
         monitored.begin_round()
 
     return close_round

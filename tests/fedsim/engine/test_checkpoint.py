@@ -104,7 +104,7 @@ def test_checkpoint_files_hold_no_pickles(tmp_path) -> None:
     state = ckpt.strategy_state(Strategy())
     ckpt.save(tmp_path, ckpt.Checkpoint(round=1, config_yaml="x: 1", arrays={"w": torch.ones(2)},
                                         strategy_state=state, rng=ckpt.rng_states()))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["meta.json", "state-1.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["meta.json", "records.jsonl", "state-1.safetensors"]
     loaded = ckpt.load(tmp_path)
     fresh = Strategy()
     fresh._previous = None
