@@ -32,6 +32,46 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _run_id(text: str) -> str:
+    """An MLflow run id (32 hex characters), checked before anything starts."""
+    from fedsim.errors import ConfigError
+    from fedsim.validation import check_run_id
+
+    try:
+        return check_run_id(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _seed_count(text: str) -> int:
+    value = _positive_int(text)
+    if not 1 <= value <= MAX_SEEDS:
+        raise argparse.ArgumentTypeError(f"expected 1 to {MAX_SEEDS} seeds, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = _positive_int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 1 to 65535, got {value}")
+    return value
+
+
+def _finite_float(text: str) -> float:
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+MAX_SEEDS = 10_000
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="fedsim", description="Federated and continual learning simulation platform.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -47,37 +87,40 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--engine", choices=["local", "ray", "flower"],
                      help="local (in-process), ray (fedsim's long-lived Ray actors) or flower (Flower's simulation)")
     run.add_argument("--eps", type=float, help="target privacy budget ε (DP experiments only)")
-    run.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db)")
+    run.add_argument("--tracking-uri", help="MLflow tracking URI; wins over $MLFLOW_TRACKING_URI, which wins over the "
+                     "experiment's tracking.uri (default: sqlite:///mlflow.db in the cwd)")
     run.add_argument("--no-tracking", action="store_true", help="do not record to MLflow")
     run.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     run.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     run.add_argument("--verbose", action="store_true", help="show Flower/Ray logs")
-    run.add_argument("--resume", metavar="RUN_ID",
+    run.add_argument("--resume", metavar="RUN_ID", type=_run_id,
                      help="continue an interrupted run from its last checkpoint, in the same MLflow run")
 
     rep = sub.add_parser("reproduce", help="run a claim check: a grid of configurations × seeds as one MLflow parent run")
     rep.add_argument("claim", help="claim name (experiments/reproduce/NAME.yaml) or a YAML path")
     rep.add_argument("overrides", nargs="*", help="overrides applied to every run, e.g. rounds=5")
-    rep.add_argument("--seeds", type=_positive_int, help="number of seeds (0..N-1) instead of the spec's list")
+    rep.add_argument("--seeds", type=_seed_count, help="number of seeds (0..N-1) instead of the spec's list")
     rep.add_argument("--tracking-uri", help="MLflow tracking URI")
-    rep.add_argument("--resume", metavar="PARENT_RUN_ID",
+    rep.add_argument("--resume", metavar="PARENT_RUN_ID", type=_run_id,
                      help="continue an interrupted claim check: finished runs are read back, the rest run")
+    rep.add_argument("--plan", action="store_true",
+                     help="print the runs (tuning and final) and an estimated time, then exit; records nothing")
 
     sw = sub.add_parser("sweep", help="run a grid × seeds as parallel Ray Tune trials under one MLflow parent run")
     sw.add_argument("sweep", help="a sweep (experiments/sweeps/NAME.yaml or a path) or an experiment name with --grid")
     sw.add_argument("overrides", nargs="*", help="overrides applied to every trial (before --grid), e.g. rounds=5")
     sw.add_argument("--grid", nargs="+", default=[], metavar="KEY=V1,V2",
                     help="grid axes, e.g. eps=1,3,6 strategy=fedsvd,ffa_lora client.lr=0.01,0.05")
-    sw.add_argument("--seeds", type=_positive_int, help="number of seeds (0..N-1) per configuration")
+    sw.add_argument("--seeds", type=_seed_count, help="number of seeds (0..N-1) per configuration")
     sw.add_argument("--address", help="an existing Ray cluster (e.g. auto); default: $RAY_ADDRESS or a local runtime")
-    sw.add_argument("--cpus-per-trial", type=float, help="CPUs each trial reserves (and its torch threads)")
-    sw.add_argument("--max-concurrent", type=int, help="at most this many trials at once (default: as CPUs allow)")
+    sw.add_argument("--cpus-per-trial", type=_finite_float, help="CPUs each trial reserves (and its torch threads)")
+    sw.add_argument("--max-concurrent", type=_positive_int, help="at most this many trials at once (default: as CPUs allow)")
     sw.add_argument("--tracking-uri", help="MLflow tracking URI")
-    sw.add_argument("--resume", metavar="PARENT_RUN_ID",
+    sw.add_argument("--resume", metavar="PARENT_RUN_ID", type=_run_id,
                     help="continue an interrupted sweep: finished trials are read back, the rest run")
 
     cmp = sub.add_parser("compare", help="table and plots of a sweep's / claim check's runs (mean ± std over seeds)")
-    cmp.add_argument("parent", nargs="?", help="the parent run id of a sweep or claim check")
+    cmp.add_argument("parent", nargs="?", type=_run_id, help="the parent run id of a sweep or claim check")
     cmp.add_argument("--experiment", help="compare the top-level runs of `fedsim run EXPERIMENT` instead")
     cmp.add_argument("--metric", action="append", dest="metrics",
                      help="a metric to compare (repeat for several; default: the sweep's own metrics)")
@@ -85,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--tracking-uri", help="MLflow tracking URI")
 
     ui = sub.add_parser("ui", help="open the MLflow UI on 127.0.0.1 over the same store")
-    ui.add_argument("--port", type=int, default=5000)
+    ui.add_argument("--port", type=_port, default=5000, help="a free TCP port on 127.0.0.1 (1-65535)")
     ui.add_argument("--tracking-uri", help="MLflow tracking URI (default as for `run`)")
     return parser
 
@@ -113,6 +156,12 @@ def _apply_eps(cfg: Any, eps: float | None) -> None:
     """``--eps E`` turns on sample-level DP-SGD with target ε = E (the learner must support DP)."""
     if eps is None:
         return
+    if cfg.privacy.noise_multiplier is not None:
+        from fedsim.errors import ConfigError
+
+        raise ConfigError(f"set either --eps or privacy.noise_multiplier, not both (σ = "
+                          f"{cfg.privacy.noise_multiplier} would be replaced by one calibrated for ε = {eps}); "
+                          f"drop one of them")
     cfg.privacy.enabled = True
     cfg.privacy.epsilon = eps
     cfg.privacy.noise_multiplier = None
@@ -133,6 +182,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     C.validate(cfg)
     if args.no_tracking:
         cfg.tracking.enabled = False
+    if not args.print_config:
+        _check_checkpoint_dir(cfg)
     cfg.engine.verbose = cfg.engine.verbose or args.verbose
     console = Console(stderr=False, quiet=args.quiet)
     if args.print_config:
@@ -152,6 +203,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     if summary.run_id and not args.quiet:
         console.print("Open the results with [bold]fedsim ui[/bold].")
     return 0
+
+
+def _check_checkpoint_dir(cfg: Any) -> None:
+    """A run that will checkpoint fails now, not after its first round, when it cannot write them."""
+    from fedsim.runner import CHECKPOINTING_ENGINES
+    from fedsim.validation import check_writable_dir
+
+    if cfg.engine.checkpoint and cfg.tracking.enabled and cfg.engine.name in CHECKPOINTING_ENGINES:
+        check_writable_dir(cfg.engine.checkpoint_dir, "engine.checkpoint_dir")
 
 
 def cmd_run_central(args: argparse.Namespace) -> int:
@@ -193,14 +253,24 @@ def cmd_run_central(args: argparse.Namespace) -> int:
 def cmd_reproduce(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from fedsim.reproduce import load_claim, results_table_rows, run_claim
+    from fedsim.reproduce import load_claim, plan_claim, results_table_rows, run_claim, verdicts_or_error
 
     spec = load_claim(args.claim, args.seeds, args.overrides)
     console = Console()
+    if args.plan:
+        lines = plan_claim(args.claim, spec, tracking_uri=args.tracking_uri)
+        console.print("\n".join(lines), highlight=False, markup=False, soft_wrap=True)
+        return 0
     console.print(f"[bold]{args.claim}[/bold]: {spec.description}")
     results, parent = run_claim(args.claim, spec, tracking_uri=args.tracking_uri,
                                 on_progress=lambda msg: console.print(msg, highlight=False), resume_parent=args.resume)
     _print_table(console, f"{args.claim}: mean ± std over {len(spec.seeds)} seeds", results_table_rows(spec, results))
+    verdicts, error = verdicts_or_error(spec, results)
+    if verdicts:
+        _print_table(console, f"verdicts ({spec.confidence:.0%} {spec.interval} interval, paired seeds)",
+                     [v.as_row() for v in verdicts])
+    if error:
+        console.print(f"[red]verdicts not computed[/red]: {error}", highlight=False)
     for r in results:
         for failure in r.failed:
             console.print(f"[red]failed[/red] {r.label}: {failure}", highlight=False)
@@ -255,6 +325,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     if bool(args.parent) == bool(args.experiment):
         raise ConfigError("give either a parent run id or --experiment NAME")
+    if args.out:
+        from fedsim.validation import check_writable_dir
+
+        check_writable_dir(args.out, "--out")
     cmp = (from_parent(args.parent, args.metrics, args.tracking_uri) if args.parent
            else from_experiment(args.experiment, args.metrics, args.tracking_uri))
     rows, paths = compare(cmp, args.tracking_uri, Path(args.out) if args.out else None)
@@ -266,22 +340,81 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_ui(args: argparse.Namespace) -> int:
-    from fedsim.tracking import resolve_tracking_uri
+    from fedsim.store import sqlite_path
+    from fedsim.tracking import check_tracking_uri, mlflow_client, resolve_tracking_uri
 
     uri = resolve_tracking_uri(args.tracking_uri)
+    check_tracking_uri(uri)
     exe = shutil.which("mlflow", path=os.path.dirname(sys.executable)) or shutil.which("mlflow")
     if exe is None:
         from fedsim.errors import FedsimError
 
         raise FedsimError("the mlflow command is not installed in this environment; run `make install`")
+    _check_port_free(args.port)
+    if sqlite_path(uri) is not None:  # create/migrate it under the store lock, not racing concurrent runs
+        mlflow_client(uri)
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     print(f"MLflow UI for {uri} at http://127.0.0.1:{args.port} (Ctrl+C to stop)", flush=True)
     cmd = [exe, "server", "--host", "127.0.0.1", "--port", str(args.port), "--backend-store-uri", uri,
            "--workers", "1"]
+    return _serve(cmd, env)
+
+
+def _check_port_free(port: int) -> None:
+    """Fail with one line when something already listens on 127.0.0.1:``port``."""
+    import socket
+
+    from fedsim.errors import FedsimError
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free for a server
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError as exc:
+            raise FedsimError(f"port {port} on 127.0.0.1 is not available ({exc.strerror or exc}); "
+                              f"choose another with --port") from None
+
+
+def _serve(cmd: list[str], env: dict[str, str]) -> int:
+    """Run the server in its own process group; Ctrl+C / SIGTERM / SIGHUP stop the whole group."""
+    import signal
+
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    stop = {"signal": 0}
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        stop["signal"] = signum
+        raise KeyboardInterrupt
+
+    handled = (signal.SIGTERM, signal.SIGHUP)
+    previous = {sig: signal.signal(sig, on_signal) for sig in handled}
     try:
-        return subprocess.call(cmd, env=env)
+        return proc.wait()
     except KeyboardInterrupt:
-        return 0
+        return 128 + stop["signal"] if stop["signal"] else 0
+    finally:
+        _stop_group(proc)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the server's process group, SIGKILL it if it is still there after 10 s."""
+    import signal
+
+    for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            continue
+        try:
+            os.killpg(proc.pid, 0)  # workers of the group still alive?
+        except ProcessLookupError:
+            return
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -313,7 +446,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write(f"fedsim: error: {exc}\n")
         return EXIT_USAGE
     except KeyboardInterrupt:
+        from fedsim.run_lifecycle import exit_soon
+
         sys.stderr.write("fedsim: interrupted; the run was recorded as KILLED\n")
+        exit_soon(130)  # a thread stuck on a hung client must not keep the process alive
         return 130
 
 

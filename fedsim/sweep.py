@@ -38,6 +38,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from fedsim import config as C
 from fedsim.errors import ConfigError
+from fedsim.validation import check_interpolations, check_writable_dir
 from fedsim.reproduce import (
     EPS_KEY,
     ClaimSpec,
@@ -52,6 +53,7 @@ from fedsim.reproduce import (
 )
 
 SWEEPS_DIR = C.EXPERIMENTS_DIR / "sweeps"
+MAX_CPUS_PER_TRIAL = 1024
 
 
 @dataclass
@@ -102,12 +104,21 @@ def parse_grid(items: list[str], experiment: str) -> dict[str, list[Any]]:
 
 
 def _scalar(text: str) -> Any:
+    """One grid value as a YAML scalar; brackets, braces or bad YAML are a one-line error."""
     import yaml
 
     try:
-        return yaml.safe_load(text)
+        value = yaml.safe_load(text)
     except yaml.YAMLError:
-        return text
+        value = None
+        ok = False
+    else:
+        ok = value is None or isinstance(value, (str, int, float, bool))
+    if not ok or not text:
+        raise ConfigError(f"--grid value {text!r} is not a plain value; write KEY=V1,V2,... with plain "
+                          f"comma-separated values and no brackets (e.g. client.lr=0.01,0.05)")
+    check_interpolations(value, f"--grid value {text!r}")
+    return value
 
 
 def _expand_key(key: str, experiment: str) -> str:
@@ -156,10 +167,13 @@ def load_sweep(name: str, *, grid: list[str] | None = None, seeds: int | None = 
         spec.max_concurrent = max_concurrent
     if not spec.grid:
         raise ConfigError(f"sweep {label!r}: the grid is empty; give --grid KEY=V1,V2")
-    if spec.cpus_per_trial <= 0:
-        raise ConfigError(f"cpus_per_trial must be > 0, got {spec.cpus_per_trial}")
-    if spec.max_concurrent < 0:
-        raise ConfigError(f"max_concurrent must be >= 0, got {spec.max_concurrent}")
+    if not (math.isfinite(spec.cpus_per_trial) and 0 < spec.cpus_per_trial <= MAX_CPUS_PER_TRIAL):
+        raise ConfigError(f"cpus_per_trial must be > 0 (a finite number, at most {MAX_CPUS_PER_TRIAL}), "
+                          f"got {spec.cpus_per_trial}")
+    if not 0 <= spec.max_concurrent <= 100_000:
+        raise ConfigError(f"max_concurrent must be in [0, 100000], got {spec.max_concurrent}")
+    if not 1 <= len(spec.seeds) <= 10_000:
+        raise ConfigError(f"a sweep needs 1 to 10000 seeds, got {len(spec.seeds)}")
     if C.is_central(spec.experiment):
         raise ConfigError(f"{spec.experiment!r} is a centralised-track method; sweep it with "
                           f"`fedsim reproduce` (a claim spec) for now")
@@ -175,8 +189,22 @@ def trial_config(spec: SweepSpec, setting: dict[str, Any], seed: int) -> C.Exper
     cfg.engine.name = "local"
     cfg.engine.threads_per_client = max(1, int(spec.cpus_per_trial))
     cfg.engine.checkpoint_dir = str(Path(cfg.engine.checkpoint_dir).expanduser().resolve())
+    if cfg.engine.checkpoint and cfg.tracking.enabled:
+        check_writable_dir(cfg.engine.checkpoint_dir, "engine.checkpoint_dir")
     preflight(RunSpec.from_config(cfg))  # unknown components and bad params fail here, before Ray starts
     return cfg
+
+
+def preflight_resources(spec: SweepSpec, address: str | None) -> None:
+    """Before Ray or MLflow start: a local Ray cannot give a trial more CPUs than this machine has."""
+    import sys
+
+    if address or os.environ.get("RAY_ADDRESS") or ("ray" in sys.modules and sys.modules["ray"].is_initialized()):
+        return  # a cluster's CPUs are known once connected (checked again in _run_trials)
+    cpus = os.cpu_count() or 1
+    if spec.cpus_per_trial > cpus:
+        raise ConfigError(f"cpus_per_trial={spec.cpus_per_trial:g} exceeds the {cpus} CPUs of this machine; "
+                          f"lower it (--cpus-per-trial) or join a cluster with --address")
 
 
 def child_name(setting: dict[str, Any], seed: int) -> str:
@@ -202,7 +230,8 @@ def run_sweep(
     tracking = trials[0][2].tracking
     if not tracking.enabled:
         raise ConfigError("a sweep records its trials as MLflow child runs; remove tracking.enabled=false")
-    uri = resolve_tracking_uri(tracking_uri or tracking.uri)
+    preflight_resources(spec, address)
+    uri = resolve_tracking_uri(tracking_uri, tracking.uri, check=True)  # flag > env > file, checked before Ray
     params = {"claim": name, "base_experiment": spec.experiment, "seeds": len(spec.seeds),
               "grid": str(dict(spec.grid)), "overrides": " ".join(spec.overrides),
               "metric": spec.metric, "extra_metrics": str(list(spec.extra_metrics))}
