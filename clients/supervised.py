@@ -148,7 +148,8 @@ class SupervisedLearner(Learner):
     @property
     def data(self) -> FederatedData:
         if self._data is None:
-            self._data = load_federated_data_cached(self.cfg.data, self.cfg.num_clients, self.cfg.seed)
+            self._data = load_federated_data_cached(self.cfg.data, self.cfg.num_clients, self.cfg.seed,
+                                                    self.cfg.evaluation.validation_fraction)
         return self._data
 
     @property
@@ -289,7 +290,12 @@ class SupervisedLearner(Learner):
 
     def evaluate_global(self, arrays: StateDict) -> dict[str, float]:
         x, y = self.data.server_test.to_tensors()
-        return evaluate_model(self._load(arrays), x, y, self.cfg.evaluation.batch_size)
+        metrics = evaluate_model(self._load(arrays), x, y, self.cfg.evaluation.batch_size)
+        if self.data.server_val is not None:  # evaluation.validation_fraction > 0: what tuning selects on
+            xv, yv = self.data.server_val.to_tensors()
+            metrics.update({f"val/{k}": v for k, v in evaluate_model(self._load(arrays), xv, yv,
+                                                                     self.cfg.evaluation.batch_size).items()})
+        return metrics
 
     def setup_artifacts(self, out_dir: Path) -> list[Path]:
         hist = self.data.label_histogram()

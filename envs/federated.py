@@ -50,6 +50,8 @@ class FederatedData:
     train_index: list[np.ndarray]
     test_index: list[np.ndarray]
     unassigned: int = 0
+    server_val: ArrayDataset | None = None  # held out of the training pool (evaluation.validation_fraction)
+    server_val_index: np.ndarray | None = None
 
     @property
     def num_clients(self) -> int:
@@ -142,6 +144,23 @@ def server_split(y: np.ndarray, test_fraction: float, seed: int) -> tuple[np.nda
     return np.sort(test), np.sort(pool)
 
 
+def validation_split(y: np.ndarray, pool_idx: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Stratified ``(validation_index, remaining_pool_index)`` carved out of ``pool_idx``, both sorted."""
+    from sklearn.model_selection import train_test_split
+
+    if not 0.0 < fraction < 1.0:
+        raise ConfigError(f"evaluation.validation_fraction must be in [0, 1), got {fraction}")
+    try:
+        rest, val = train_test_split(pool_idx, test_size=fraction, stratify=y[pool_idx],
+                                     random_state=derive_seed(seed, "validation_split") % 2**32)
+    except ValueError as exc:
+        raise ConfigError(
+            f"evaluation.validation_fraction={fraction}: cannot hold out a stratified validation split of "
+            f"{len(pool_idx)} examples ({' '.join(str(exc).split())}); change evaluation.validation_fraction"
+        ) from None
+    return np.sort(val), np.sort(rest)
+
+
 def partition_pool(labels: np.ndarray, num_clients: int, cfg: PartitionConfig, seed: int) -> list[np.ndarray]:
     """Indices into ``labels`` for each client, from the configured partitioner; none may be empty."""
     try:
@@ -172,13 +191,21 @@ def split_client(indices: np.ndarray, test_fraction: float, seed: int, partition
     return np.sort(perm[n_test:]), np.sort(perm[:n_test])
 
 
-def build_federated_data(cfg: DataConfig | DictConfig | Mapping[str, Any], num_clients: int, seed: int) -> FederatedData:
-    """Load, hold out the server test split, partition and split per client (see module doc)."""
+def build_federated_data(cfg: DataConfig | DictConfig | Mapping[str, Any], num_clients: int, seed: int,
+                         validation_fraction: float = 0.0) -> FederatedData:
+    """Load, hold out the server test split, partition and split per client (see module doc).
+
+    ``validation_fraction > 0`` first carves a stratified server validation split out of the pool
+    (seed ``derive_seed(seed, "validation_split")``); 0 leaves every split as without it.
+    """
     cfg = as_data_config(cfg)
     if not 0.0 <= cfg.client_test_fraction < 1.0:
         raise ConfigError(f"data.client_test_fraction must be in [0, 1), got {cfg.client_test_fraction}")
     source = load_dataset(cfg, seed)
     test_idx, pool_idx = server_split(source.y, cfg.test_fraction, seed)
+    val_idx = None
+    if validation_fraction:
+        val_idx, pool_idx = validation_split(source.y, pool_idx, validation_fraction, seed)
     parts = partition_pool(source.y[pool_idx], num_clients, cfg.partition, seed)
     splits = [split_client(pool_idx[part], cfg.client_test_fraction, seed, pid) for pid, part in enumerate(parts)]
     return FederatedData(
@@ -192,6 +219,8 @@ def build_federated_data(cfg: DataConfig | DictConfig | Mapping[str, Any], num_c
         train_index=[tr for tr, _ in splits],
         test_index=[te for _, te in splits],
         unassigned=len(pool_idx) - sum(len(p) for p in parts),
+        server_val=None if val_idx is None else source.subset(val_idx),
+        server_val_index=val_idx,
     )
 
 
@@ -200,18 +229,18 @@ def _config_key(cfg: DataConfig | DictConfig | Mapping[str, Any]) -> str:
 
 
 @functools.lru_cache(maxsize=4)
-def _build_from_yaml(cfg_yaml: str, num_clients: int, seed: int) -> FederatedData:
-    return build_federated_data(OmegaConf.create(cfg_yaml), num_clients, seed)
+def _build_from_yaml(cfg_yaml: str, num_clients: int, seed: int, validation_fraction: float = 0.0) -> FederatedData:
+    return build_federated_data(OmegaConf.create(cfg_yaml), num_clients, seed, validation_fraction)
 
 
 def load_federated_data_cached(
-    cfg: DataConfig | DictConfig | Mapping[str, Any], num_clients: int, seed: int
+    cfg: DataConfig | DictConfig | Mapping[str, Any], num_clients: int, seed: int, validation_fraction: float = 0.0
 ) -> FederatedData:
     """:func:`build_federated_data`, memoised per process on (config YAML, num_clients, seed).
 
     The returned object is shared between callers: treat it as read-only.
     """
-    return _build_from_yaml(_config_key(cfg), int(num_clients), int(seed))
+    return _build_from_yaml(_config_key(cfg), int(num_clients), int(seed), float(validation_fraction))
 
 
 def clear_federated_cache() -> None:

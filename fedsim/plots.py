@@ -40,8 +40,12 @@ def plot_learning_curves(history: History, path: Path, title: str) -> Path:
     return path
 
 
-def plot_claim(spec, results, out_dir: Path, title: str) -> list[Path]:
-    """Metric per round (mean over seeds, band = ±1 std) per configuration; and metric vs ε."""
+def plot_claim(spec, results, out_dir: Path, title: str, references: dict[str, float] | None = None) -> list[Path]:
+    """Metric per round (mean over seeds, band = ±1 std) per configuration; and metric vs ε.
+
+    ``references`` (e.g. ``{"floor": 0.1, "ceiling": 0.68}``) are drawn as horizontal lines on the
+    curves, so every method is seen between its floor and ceiling.
+    """
     import math
 
     import numpy as np
@@ -59,6 +63,11 @@ def plot_claim(spec, results, out_dir: Path, title: str) -> list[Path]:
         xs = np.arange(n)
         ax.plot(xs, mean, label=r.label)
         ax.fill_between(xs, mean - std, mean + std, alpha=0.15)
+    styles = {"floor": ("dimgray", ":"), "ceiling": ("black", "--")}
+    for role, value in (references or {}).items():
+        if not math.isnan(value):
+            color, style = styles.get(role, ("gray", "-."))
+            ax.axhline(value, color=color, linestyle=style, linewidth=1.2, label=f"{role} ({value:.3g})")
     ax.set_xlabel("round")
     ax.set_ylabel(spec.metric)
     paths.append(_finish(fig, ax, title, out_dir / "curves.png", legend_size=7))
@@ -66,6 +75,8 @@ def plot_claim(spec, results, out_dir: Path, title: str) -> list[Path]:
         others = [k for k in spec.grid if k != "eps"]
         groups: dict[str, list] = {}
         for r in results:
+            if getattr(r, "role", ""):  # a reference configuration is outside the ε grid
+                continue
             key = label_of({k: r.setting[k] for k in others}) or "all"
             groups.setdefault(key, []).append(r)
         fig, ax = plt.subplots(figsize=(7, 4.5))

@@ -20,20 +20,30 @@ The result is a table of mean ± std over seeds of the final metric (and the bes
 per configuration, printed and logged to the parent run as ``results.csv`` / ``results.md``, with
 plots: the metric per round (mean over seeds) per configuration and, when ``eps`` is in the grid,
 final metric vs ε.
+
+A spec may also declare the claim protocol (``claim:``, ``controls:``, ``tune:``, ``confidence:``,
+``interval:``; see :mod:`fedsim.claim_protocol`): with ``tune:`` each method's grid first runs on
+the tuning seeds (children tagged ``claim_stage=tune``) and the best value on the validation metric
+is then run on every seed; the parent also gets a verdicts table (in ``results.md`` and
+``verdicts.csv``, see :mod:`fedsim.claims`), the references, the tuning table and the floor and
+ceiling as lines on the curves plot. :func:`plan_claim` lists the runs and a time estimate without
+running or recording anything.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import numpy as np
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from fedsim import claim_protocol as P
 from fedsim import config as C
 from fedsim.engine.history import History
 from fedsim.errors import ConfigError, FedsimError
@@ -52,6 +62,22 @@ class ClaimSpec:
     metric: str = "eval/accuracy"
     moving_average: int = 0
     extra_metrics: list[str] = field(default_factory=list)  # more table columns (final values)
+    # the claim protocol (fedsim.claim_protocol): what must beat what, controls, tuning, interval
+    claim: list[P.Comparison] = field(default_factory=list)
+    controls: P.Controls = field(default_factory=P.Controls)
+    tune: Optional[P.TuneSpec] = None
+    confidence: float = 0.95
+    interval: str = "t"  # t | bootstrap
+    minutes_per_run: Optional[float] = None  # per-run estimate for --plan
+
+    @property
+    def has_protocol(self) -> bool:
+        return bool(self.claim or self.controls.positive)
+
+    def tracked_metrics(self) -> list[str]:
+        """Final values kept per seed: the extra columns and every claim/control metric."""
+        wanted = [*self.extra_metrics, *(c.metric for c in [*self.claim, *self.controls.positive] if c.metric)]
+        return [m for m in dict.fromkeys(wanted) if m != self.metric]
 
 
 #: The per-round count of failed client calls every engine round logs.
@@ -68,14 +94,18 @@ class ConfigResult:
     failed: list[str] = field(default_factory=list)
     extras: dict[str, list[float]] = field(default_factory=dict)  # extra metric -> one final value per seed
     client_failures: int = 0  # failed client calls summed over the finished runs' rounds (timeouts included)
+    seeds: list[int] = field(default_factory=list)  # the seed of each finished run, in the order of finals
+    tuned: dict[str, Any] = field(default_factory=dict)  # hyper-parameters chosen by the tuning stage
+    role: str = ""  # "" (a grid configuration), "floor" or "ceiling" (a reference configuration)
 
     def add_extras(self, finals: dict[str, float]) -> None:
         """One seed's final values of the spec's extra metrics (NaN where a run did not log one)."""
         for key, value in finals.items():
             self.extras.setdefault(key, []).append(value)
 
-    def add(self, curve: list[float], moving_average: int) -> None:
+    def add(self, curve: list[float], moving_average: int, seed: int | None = None) -> None:
         """One seed's metric curve (round 0 first)."""
+        self.seeds.append(len(self.seeds) if seed is None else seed)
         self.curves.append(curve)
         self.finals.append(curve[-1] if curve else float("nan"))
         self.best_moving.append(best_moving_average(curve[1:], moving_average))
@@ -97,7 +127,8 @@ def load_claim(name: str, seeds: int | None = None, extra_overrides: list[str] |
     if not path.is_file():
         raise ConfigError(f"no claim check named {name!r}; known: {', '.join(list_claims()) or 'none'}")
     try:
-        spec: ClaimSpec = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ClaimSpec), C.read_yaml(path)))  # type: ignore[assignment]
+        raw = P.normalise_raw(C.read_yaml(path))
+        spec: ClaimSpec = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ClaimSpec), raw))  # type: ignore[assignment]
     except OmegaConfBaseException as exc:
         raise ConfigError(f"{path}: {str(exc).splitlines()[0]}") from None
     if seeds is not None:
@@ -107,6 +138,7 @@ def load_claim(name: str, seeds: int | None = None, extra_overrides: list[str] |
     spec.overrides = [*spec.overrides, *(extra_overrides or [])]
     if not spec.grid:
         raise ConfigError(f"{path}: grid is empty; list at least one key with values")
+    P.validate_protocol(spec, settings(spec), str(path))
     return spec
 
 
@@ -129,8 +161,11 @@ def label_of(setting: dict[str, Any]) -> str:
     return ", ".join(fmt(k, v) for k, v in setting.items())
 
 
-def build_config(spec: ClaimSpec, setting: dict[str, Any], seed: int) -> Any:
-    """The config of one (setting, seed): an ExperimentConfig, or a CentralConfig for the centralised track."""
+def build_config(spec: ClaimSpec, setting: dict[str, Any], seed: int, extra: list[str] | None = None) -> Any:
+    """The config of one (setting, seed): an ExperimentConfig, or a CentralConfig for the centralised track.
+
+    ``extra`` overrides go last (a tuned hyper-parameter, a reference configuration's overrides).
+    """
     overrides = list(spec.overrides)
     eps = setting.get(EPS_KEY, "absent")
     for key, value in setting.items():
@@ -138,6 +173,7 @@ def build_config(spec: ClaimSpec, setting: dict[str, Any], seed: int) -> Any:
             overrides += [f"{key}.{k}={v}" for k, v in C.flatten(value).items()]
         elif key != EPS_KEY:
             overrides.append(f"{key}={_dotlist_value(value)}")
+    overrides += list(extra or [])
     if C.is_central(spec.experiment):
         if eps != "absent":
             raise ConfigError(f"claim grid key 'eps' applies to federated experiments, not {spec.experiment!r}")
@@ -180,6 +216,76 @@ def best_moving_average(values: list[float], k: int) -> float:
     return float(np.convolve(np.asarray(values), kernel, mode="valid").max())
 
 
+@dataclass
+class Job:
+    """One child run of a claim check."""
+
+    stage: str  # tune | final | floor | ceiling
+    name: str  # the child's MLflow run name (the key resume looks it up by)
+    setting: dict[str, Any]
+    seed: int
+    extra: list[str] = field(default_factory=list)  # overrides after the setting's
+    method: str = ""  # tuning: the method this candidate belongs to
+    candidate: dict[str, Any] = field(default_factory=dict)  # tuning: the hyper-parameters tried
+
+
+@dataclass
+class Outcome:
+    """What a finished child contributes: its metric curve and the final values of tracked metrics."""
+
+    curve: list[float]
+    finals: dict[str, float]
+    client_failures: int
+
+
+def _overrides_of(candidate: dict[str, Any]) -> list[str]:
+    return [f"{k}={_dotlist_value(v)}" for k, v in candidate.items()]
+
+
+def tuning_jobs(spec: ClaimSpec, grid: list[dict[str, Any]]) -> list[Job]:
+    """Every method's candidates × its configurations (those matching ``tune.at``) × the tuning seeds."""
+    tune = spec.tune
+    if tune is None:
+        return []
+    seeds = tune.seeds if tune.seeds is not None else spec.seeds[:1]
+    jobs = []
+    for setting in grid:
+        if tune.at and not P.matches(setting, tune.at):
+            continue
+        method = P.method_of(setting, tune.by)
+        for cand in P.tune_candidates(tune, method):
+            for seed in seeds:
+                jobs.append(Job("tune", f"tune | {label_of(setting)} | {P.candidate_text(cand)} | seed {seed}",
+                                setting, seed, _overrides_of(cand), method, cand))
+    return jobs
+
+
+def final_jobs(spec: ClaimSpec, grid: list[dict[str, Any]], chosen: dict[str, dict[str, Any]]) -> list[Job]:
+    """Every configuration × seed with its method's chosen values, then the reference configurations."""
+    jobs = []
+    for setting in grid:
+        cand = chosen.get(P.method_of(setting, spec.tune.by), {}) if spec.tune else {}
+        jobs += [Job("final", f"{label_of(setting)} | seed {seed}", setting, seed, _overrides_of(cand))
+                 for seed in spec.seeds]
+    for role in ("floor", "ceiling"):
+        ref = getattr(spec.controls, role)
+        if ref is not None and ref.overrides:
+            jobs += [Job(role, f"{role} | seed {seed}", {}, seed, list(ref.overrides)) for seed in spec.seeds]
+    return jobs
+
+
+def _reference_label(spec: ClaimSpec, role: str) -> str:
+    return f"{role}: {' '.join(getattr(spec.controls, role).overrides)}"
+
+
+def _check_tuning_configs(spec: ClaimSpec, cfgs: list[Any]) -> None:
+    for cfg in cfgs:
+        if (isinstance(cfg, C.ExperimentConfig) and cfg.client.learner == "supervised"
+                and spec.tune is not None and cfg.evaluation.validation_fraction <= 0):
+            raise ConfigError(f"tune selects on {spec.tune.metric}, which the supervised learner logs only with "
+                              "a validation split: add evaluation.validation_fraction=0.1 (say) to the overrides")
+
+
 def run_claim(
     name: str,
     spec: ClaimSpec,
@@ -189,58 +295,100 @@ def run_claim(
     run_one: Callable[..., Any] | None = None,
     resume_parent: str | None = None,
 ) -> tuple[list[ConfigResult], str | None]:
-    """Run every (setting, seed); a failing run is reported and does not stop the others.
+    """Run the tuning stage (if any), then every (setting, seed); a failing run is reported, the others go on.
 
     ``resume_parent`` continues an interrupted claim check: children that finished are read back
     from MLflow, a child with a checkpoint is resumed, the others are run.
     """
-    from fedsim.tracking import MlflowRecorder, git_commit
+    from fedsim.tracking import MlflowRecorder, git_commit, resolve_tracking_uri
 
     grid = settings(spec)
-    configs = [(s, seed, build_config(spec, s, seed)) for s in grid for seed in spec.seeds]  # validate all first
-    run_one = run_one or _default_runner(configs[0][2])
-    tracking = configs[0][2].tracking
+    tune_list = tuning_jobs(spec, grid)
+    tune_cfgs = [build_config(spec, j.setting, j.seed, j.extra) for j in tune_list]  # validate all first
+    _check_tuning_configs(spec, tune_cfgs)
+    base_jobs = final_jobs(spec, grid, {})
+    base_cfgs = [build_config(spec, j.setting, j.seed, j.extra) for j in base_jobs]
+    run_one = run_one or _default_runner(base_cfgs[0])
+    tracking = base_cfgs[0].tracking
+    if tracking.enabled:  # one store for the parent and every child, checked before anything starts
+        tracking_uri = resolve_tracking_uri(tracking_uri, tracking.uri, check=True)
     parent = None
     params = {"claim": name, "base_experiment": spec.experiment, "seeds": len(spec.seeds),
               "grid": str(dict(spec.grid)), "overrides": " ".join(spec.overrides),
               "metric": spec.metric, "extra_metrics": str(list(spec.extra_metrics))}
+    if spec.tune is not None:
+        params["tune"] = str(spec.tune)
+    if spec.has_protocol:
+        params["interval"] = f"{spec.confidence} {spec.interval}"
     done: dict[str, Any] = {}
     if resume_parent:
         if not tracking.enabled:
             raise ConfigError("--resume continues an MLflow parent run, so it needs tracking")
-        parent = MlflowRecorder.reopen(tracking_uri or tracking.uri, resume_parent)
+        parent = MlflowRecorder.reopen(tracking_uri, resume_parent)
         done = _finished_children(parent, params)
     elif tracking.enabled:
-        parent = MlflowRecorder(tracking_uri or tracking.uri, tracking.experiment, run_name=f"reproduce-{name}",
+        parent = MlflowRecorder(tracking_uri, tracking.experiment, run_name=f"reproduce-{name}",
                                 tags={"experiment": f"reproduce/{name}", "kind": "claim-check",
                                       "git_commit": git_commit()})
         parent.log_params(params)
+    total = len(tune_list) + len(base_jobs)
+    counter = itertools.count(1)
+    live_seconds: list[float] = []
+
+    def execute(job: Job, cfg: Any, metrics: list[str]) -> Outcome | None:
+        i = next(counter)
+        where = f"[{i}/{total}] {job.name.rsplit(' | seed ', 1)[0]}, seed {job.seed}"
+        previous = done.get(job.name)
+        if previous is not None and previous.info.status == "FINISHED":
+            on_progress(f"{where}: finished before, read back")
+            return Outcome(_logged_curve(parent, previous.info.run_id, spec.metric),
+                           {k: float(previous.data.metrics.get(k, math.nan)) for k in metrics},
+                           int(sum(_logged_curve(parent, previous.info.run_id, CLIENTS_FAILED))))
+        on_progress(where)
+        kwargs: dict[str, Any] = {}
+        if previous is not None and isinstance(cfg, C.ExperimentConfig) and _has_checkpoint(cfg, previous.info.run_id):
+            kwargs["resume_run_id"] = previous.info.run_id
+            on_progress(f"    resuming run {previous.info.run_id} from its checkpoint")
+        started = time.perf_counter()
+        try:
+            summary = run_one(cfg, tracking_uri=tracking_uri, parent_run_id=parent.run_id if parent else None,
+                              run_name=job.name, **kwargs)
+        except FedsimError as exc:
+            on_progress(f"    failed: {exc}")
+            raise _RunFailed(str(exc)) from None
+        live_seconds.append(time.perf_counter() - started)
+        run_id = getattr(summary, "run_id", None)
+        if parent is not None and run_id:
+            parent.client.set_tag(run_id, "claim_stage", job.stage)
+            if job.candidate:
+                parent.client.set_tag(run_id, "claim_candidate", P.candidate_text(job.candidate))
+        return Outcome([v for _, v in _series(summary.history, spec.metric)],
+                       {k: _final_value(summary.history, k) for k in metrics},
+                       int(sum(v for _, v in _series(summary.history, CLIENTS_FAILED))))
+
     results = {label_of(s): ConfigResult(label_of(s), s) for s in grid}
+    for role in ("floor", "ceiling"):
+        ref = getattr(spec.controls, role)
+        if ref is not None and ref.overrides:
+            results[role] = ConfigResult(_reference_label(spec, role), {}, role=role)
+    tuning: list[dict[str, Any]] = []
     status = "FAILED"
     try:
-        for i, (setting, seed, cfg) in enumerate(configs, 1):
-            res = results[label_of(setting)]
-            child_name = f"{res.label} | seed {seed}"
-            previous = done.get(child_name)
-            if previous is not None and previous.info.status == "FINISHED":
-                on_progress(f"[{i}/{len(configs)}] {res.label}, seed {seed}: finished before, read back")
-                add_logged_run(res, parent, previous, spec)
-                continue
-            on_progress(f"[{i}/{len(configs)}] {res.label}, seed {seed}")
-            kwargs: dict[str, Any] = {}
-            if previous is not None and isinstance(cfg, C.ExperimentConfig) and _has_checkpoint(cfg, previous.info.run_id):
-                kwargs["resume_run_id"] = previous.info.run_id
-                on_progress(f"    resuming run {previous.info.run_id} from its checkpoint")
+        chosen = _run_tuning(spec, tune_list, tune_cfgs, execute, tuning, on_progress)
+        jobs = final_jobs(spec, grid, chosen)
+        for job in jobs:
+            res = results[job.stage if job.stage in ("floor", "ceiling") else label_of(job.setting)]
+            if spec.tune is not None and job.stage == "final":
+                res.tuned = chosen.get(P.method_of(job.setting, spec.tune.by), {})
+            cfg = build_config(spec, job.setting, job.seed, job.extra)
             try:
-                summary = run_one(cfg, tracking_uri=tracking_uri, parent_run_id=parent.run_id if parent else None,
-                                  run_name=child_name, **kwargs)
-            except FedsimError as exc:
-                res.failed.append(f"seed {seed}: {exc}")
-                on_progress(f"    failed: {exc}")
+                out = execute(job, cfg, spec.tracked_metrics())
+            except _RunFailed as exc:
+                res.failed.append(f"seed {job.seed}: {exc}")
                 continue
-            res.add([v for _, v in _series(summary.history, spec.metric)], spec.moving_average)
-            res.add_extras({k: _final_value(summary.history, k) for k in spec.extra_metrics})
-            res.client_failures += int(sum(v for _, v in _series(summary.history, CLIENTS_FAILED)))
+            res.add(out.curve, spec.moving_average, job.seed)
+            res.add_extras(out.finals)
+            res.client_failures += out.client_failures
         status = "FINISHED"
     except KeyboardInterrupt:
         status = "KILLED"
@@ -248,16 +396,74 @@ def run_claim(
     finally:
         if parent is not None:
             if status == "FINISHED":
-                _log_results(parent, name, spec, list(results.values()))
+                if live_seconds:
+                    parent.log_metrics({SECONDS_PER_RUN: float(np.mean(live_seconds))}, step=0)
+                _log_results(parent, name, spec, list(results.values()), tuning)
             parent.finish(status)
     return list(results.values()), parent.run_id if parent else None
+
+
+#: Parent metric: mean wall seconds of the children this claim check ran (``--plan`` reads it back).
+SECONDS_PER_RUN = "seconds_per_run"
+
+
+class _RunFailed(Exception):
+    """A child run failed (a FedsimError): reported, and the claim check goes on."""
+
+
+def _run_tuning(spec: ClaimSpec, jobs: list[Job], cfgs: list[Any], execute: Callable[..., Outcome | None],
+                table: list[dict[str, Any]], on_progress: Callable[[str], None]) -> dict[str, dict[str, Any]]:
+    """Run every tuning job; per method, the candidate with the best mean final validation metric.
+
+    ``table`` receives one row per (method, candidate): the mean, the runs it rests on, and whether
+    it was chosen. Ties go to the candidate listed first.
+    """
+    if spec.tune is None:
+        return {}
+    tune = spec.tune
+    scores: dict[tuple[str, str], list[float]] = {}
+    candidates: dict[str, list[dict[str, Any]]] = {}
+    for job, cfg in zip(jobs, cfgs):
+        key = (job.method, P.candidate_text(job.candidate))
+        scores.setdefault(key, [])
+        if job.candidate not in candidates.setdefault(job.method, []):
+            candidates[job.method].append(job.candidate)
+        try:
+            out = execute(job, cfg, [tune.metric])
+        except _RunFailed:
+            continue
+        scores[key].append(out.finals[tune.metric])
+    chosen: dict[str, dict[str, Any]] = {}
+    for method, cands in candidates.items():
+        ran = [v for c in cands for v in scores[(method, P.candidate_text(c))]]
+        if ran and all(math.isnan(v) for v in ran):
+            raise ConfigError(f"tuning: no run of {method} logged {tune.metric}; does the learner log it "
+                              "(evaluation.validation_fraction > 0 for the supervised learner)?")
+        means = {}
+        for c in cands:
+            values = [v for v in scores[(method, P.candidate_text(c))] if not math.isnan(v)]
+            means[P.candidate_text(c)] = float(np.mean(values)) if values else math.nan
+        scored = [c for c in cands if not math.isnan(means[P.candidate_text(c)])]
+        if scored:
+            sign = 1.0 if tune.higher_is_better else -1.0
+            chosen[method] = max(scored, key=lambda c: sign * means[P.candidate_text(c)])
+            on_progress(f"tuning {method}: {P.candidate_text(chosen[method])} "
+                        f"({tune.metric} {means[P.candidate_text(chosen[method])]:.4f})")
+        else:
+            on_progress(f"tuning {method}: every run failed; the final runs use the base values")
+        for c in cands:
+            text = P.candidate_text(c)
+            table.append({"method": method, "values": text, "mean": means[text],
+                          "runs": len([v for v in scores[(method, text)] if not math.isnan(v)]),
+                          "chosen": chosen.get(method) == c})
+    return chosen
 
 
 def _finished_children(parent: Any, params: dict[str, Any]) -> dict[str, Any]:
     """The parent's children by run name (the latest per name), after checking the spec matches."""
     logged = parent.client.get_run(parent.run_id).data.params
-    for key in ("claim", "grid", "overrides", "seeds"):
-        if key in logged and logged[key] != str(params[key])[:500]:
+    for key in ("claim", "grid", "overrides", "seeds", "tune"):
+        if key in logged and logged[key] != str(params.get(key, ""))[:500]:
             raise ConfigError(f"--resume {parent.run_id}: that claim check ran with {key}={logged[key]!r}, "
                               f"not {str(params[key])!r}; resume it with the same claim and overrides")
     return children_by_name(parent)
@@ -322,6 +528,8 @@ def results_table_rows(spec: ClaimSpec, results: list[ConfigResult]) -> list[dic
         for key in spec.extra_metrics:
             em, es = r.mean_std([v for v in r.extras.get(key, []) if not math.isnan(v)])  # NaN: not logged
             row[key] = "–" if math.isnan(em) else f"{em:.4f} ± {es:.4f}"
+        if getattr(spec, "tune", None) is not None and not r.role:
+            row["tuned"] = P.candidate_text(r.tuned) or "–"
         if r.failed:
             row["failed"] = str(len(r.failed))
         if r.client_failures:  # a run that lost clients (e.g. to a timeout) is not a clean data point
@@ -330,7 +538,46 @@ def results_table_rows(spec: ClaimSpec, results: list[ConfigResult]) -> list[dic
     return rows
 
 
-def _log_results(parent: Any, name: str, spec: ClaimSpec, results: list[ConfigResult]) -> None:
+def verdicts_or_error(spec: ClaimSpec, results: list[ConfigResult]) -> tuple[list[P.VerdictRow], str | None]:
+    """The verdict rows, or why they cannot be computed (e.g. a failed seed left a claim unpaired)."""
+    if not spec.has_protocol:
+        return [], None
+    try:
+        return P.verdict_rows(spec, results), None
+    except ConfigError as exc:
+        return [], str(exc)
+
+
+def _md_table(rows: list[dict[str, Any]]) -> list[str]:
+    cols = list(dict.fromkeys(k for row in rows for k in row))
+    return ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols),
+            *("| " + " | ".join(str(row.get(c, "")).replace("|", "\\|") for c in cols) + " |" for row in rows)]
+
+
+def protocol_markdown(spec: ClaimSpec, results: list[ConfigResult], tuning: list[dict[str, Any]]) -> list[str]:
+    """The sections results.md gains with a protocol: verdicts, references, tuning."""
+    md: list[str] = []
+    rows, error = verdicts_or_error(spec, results)
+    if spec.has_protocol:
+        how = "paired t" if spec.interval == "t" else "percentile bootstrap (10,000 resamples, seed 0)"
+        md += ["", f"## Verdicts ({spec.confidence:.0%} {how} interval on the mean paired difference)", ""]
+        md += [f"verdicts not computed: {error}"] if error else _md_table([r.as_row() for r in rows])
+    refs = P.reference_values(spec, results)
+    if refs:
+        md += ["", "## References", ""]
+        md += _md_table([{"reference": k, f"final {spec.metric}": f"{v:.4f}", "source": src}
+                         for k, (v, src) in refs.items()])
+    if tuning:
+        seeds = spec.tune.seeds if spec.tune.seeds is not None else spec.seeds[:1]
+        md += ["", f"## Tuning (selected on {spec.tune.metric}, mean over seeds {list(seeds)}; "
+                   "the chosen values then run on every seed)", ""]
+        md += _md_table([{"method": t["method"], "values": t["values"], spec.tune.metric: f"{t['mean']:.4f}",
+                          "runs": t["runs"], "chosen": "yes" if t["chosen"] else ""} for t in tuning])
+    return md
+
+
+def _log_results(parent: Any, name: str, spec: ClaimSpec, results: list[ConfigResult],
+                 tuning: list[dict[str, Any]] | None = None) -> None:
     import csv
 
     out = parent.artifact_dir
@@ -345,14 +592,89 @@ def _log_results(parent: Any, name: str, spec: ClaimSpec, results: list[ConfigRe
                 writer.writerow([r.label, i, fin, bm, *extras])
     md = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     md += ["| " + " | ".join(row.get(c, "") for c in cols) + " |" for row in rows]
+    has_protocol = getattr(spec, "has_protocol", False) or getattr(spec, "tune", None) is not None
+    if has_protocol:
+        md += protocol_markdown(spec, results, tuning or [])
     (out / "results.md").write_text("\n".join(md) + "\n")
     parent.log_artifact(out / "results.csv")
     parent.log_artifact(out / "results.md")
+    verdicts, _ = verdicts_or_error(spec, results) if has_protocol else ([], None)
+    if verdicts:
+        with (out / "verdicts.csv").open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(verdicts[0].as_csv()))
+            writer.writeheader()
+            writer.writerows(v.as_csv() for v in verdicts)
+        parent.log_artifact(out / "verdicts.csv")
+    if tuning:
+        with (out / "tuning.csv").open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(tuning[0]))
+            writer.writeheader()
+            writer.writerows(tuning)
+        parent.log_artifact(out / "tuning.csv")
     for r in results:
         m, _ = r.mean_std(r.finals)
         if not math.isnan(m):
             parent.log_metrics({f"final/{_metric_name(r.label)}": m}, step=0)
     from fedsim.plots import plot_claim
 
-    for path in plot_claim(spec, results, out, title=f"{name}: {spec.metric}"):
+    refs = {k: v for k, (v, _) in P.reference_values(spec, results).items()} if has_protocol else None
+    for path in plot_claim(spec, results, out, title=f"{name}: {spec.metric}", references=refs):
         parent.log_artifact(path, "plots")
+
+
+# -- --plan -------------------------------------------------------------------------------------
+def measured_seconds_per_run(name: str, tracking_uri: str | None) -> float | None:
+    """The ``seconds_per_run`` of the latest finished parent of this claim check, if a store has one.
+
+    Reads only: an sqlite store that does not exist yet is not created.
+    """
+    from fedsim.tracking import check_tracking_uri, mlflow_client, resolve_tracking_uri
+
+    uri = resolve_tracking_uri(tracking_uri)
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
+        return None
+    try:
+        check_tracking_uri(uri)  # an unreachable server: no estimate, in seconds rather than minutes
+        client = mlflow_client(uri)  # an old store is migrated under the store lock, not racing runs
+        exps = [e.experiment_id for e in client.search_experiments()]
+        runs = client.search_runs(exps, filter_string=f"tags.experiment = 'reproduce/{name}' and "
+                                                       "attributes.status = 'FINISHED'",
+                                  order_by=["attributes.start_time DESC"], max_results=20) if exps else []
+    except Exception:  # noqa: BLE001 - an unreadable store just means no measured rate
+        return None
+    for run in runs:
+        if SECONDS_PER_RUN in run.data.metrics:
+            return float(run.data.metrics[SECONDS_PER_RUN])
+    return None
+
+
+def plan_claim(name: str, spec: ClaimSpec, tracking_uri: str | None = None) -> list[str]:
+    """The runs a claim check would make (tuning, then final) and an estimated time; runs nothing."""
+    grid = settings(spec)
+    tune = tuning_jobs(spec, grid)
+    final = final_jobs(spec, grid, {})
+    cfgs = [build_config(spec, j.setting, j.seed, j.extra) for j in [*tune, *final]]  # the same checks as a run
+    _check_tuning_configs(spec, cfgs[:len(tune)])
+    lines = [f"plan for {name}: {len(tune) + len(final)} runs"]
+    if tune:
+        per_method: dict[str, set[str]] = {}
+        for j in tune:
+            per_method.setdefault(j.method, set()).add(P.candidate_text(j.candidate))
+        lines.append(f"  tuning on {spec.tune.metric}: {len(tune)} runs "
+                     f"({', '.join(f'{m}: {len(c)} candidates' for m, c in per_method.items())})")
+        lines += [f"    {j.name}" for j in tune]
+    lines.append(f"  final: {len(final)} runs ({len(grid)} configurations × {len(spec.seeds)} seeds"
+                 + (", plus the reference configurations" if len(final) > len(grid) * len(spec.seeds) else "")
+                 + (", each method with its tuned values" if tune else "") + ")")
+    lines += [f"    {j.name}" for j in final]
+    measured = measured_seconds_per_run(name, tracking_uri)
+    if measured is not None:
+        per_run, source = measured, "measured by the last finished run of this claim check"
+    elif spec.minutes_per_run is not None:
+        per_run, source = spec.minutes_per_run * 60, "the spec's minutes_per_run"
+    else:
+        lines.append("  estimated time: unknown (set minutes_per_run in the spec, or run it once)")
+        return lines
+    total_min = per_run * (len(tune) + len(final)) / 60
+    lines.append(f"  estimated time: {total_min:.1f} min ({per_run / 60:.2f} min per run, {source})")
+    return lines

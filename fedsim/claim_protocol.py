@@ -1,0 +1,306 @@
+"""The claim protocol of a claim spec: claims, controls, references and tuning (schema and checks).
+
+The optional sections of ``experiments/reproduce/<name>.yaml`` (see :mod:`fedsim.reproduce`)::
+
+    claim:                                  # one mapping or a list of them
+      - better: {strategy.name: fedsvd}     # grid keys -> values; with ``at`` they pick ONE configuration
+        worse: {strategy.name: ffa_lora}
+        at: {eps: 3}
+        metric: eval/accuracy               # default: the spec's metric
+        margin: 0.01                        # superiority: mean(better - worse) > margin
+      - {kind: equivalence, better: {...}, worse: {...}, margin: 0.02}   # |a - b| < margin
+    controls:
+      positive:                             # comparisons whose outcome is known; one failing -> invalid
+        - {better: {strategy.name: ffa_lora}, worse: {strategy.name: fedavg_lora}, at: {eps: 1}}
+      floor: {value: 0.1, source: "chance, 10 classes"}        # or {setting: {...}} / {overrides: [...]}
+      ceiling: {value: 0.68, source: "centralised non-private probe, README"}
+    tune:                                   # per-method grid, selected on a validation metric
+      by: strategy.name
+      grid: {client.lr: [0.1, 0.5, 1.0]}
+      methods: {fedsvd: {client.lr: [0.5, 1.0, 2.0]}}          # a method's own grid replaces ``grid``
+      metric: val/accuracy
+      seeds: [0]                            # default: the spec's first seed
+      at: {eps: 3}                          # tune only there (default: every configuration of the method)
+    confidence: 0.95
+    interval: t                             # t | bootstrap
+    minutes_per_run: 2.5                    # optional, for ``--plan``
+
+A reference is a constant (with its ``source``), a grid configuration (``setting``) or an extra
+configuration run on every seed (``overrides`` on top of the spec's). This module is pure: it
+validates, matches claim sides to configurations and computes the verdict rows.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+from fedsim import claims as V
+from fedsim.errors import ConfigError
+
+
+@dataclass
+class Comparison:
+    """One claim or positive control: ``better`` beats ``worse`` (or equals it) at ``at``."""
+
+    better: dict[str, Any] = field(default_factory=dict)
+    worse: dict[str, Any] = field(default_factory=dict)
+    at: dict[str, Any] = field(default_factory=dict)
+    metric: Optional[str] = None  # default: the spec's metric
+    margin: float = 0.0
+    kind: str = V.SUPERIORITY  # superiority | equivalence
+    higher_is_better: bool = True
+    name: str = ""  # shown instead of the built text
+
+
+@dataclass
+class Reference:
+    """A floor or ceiling: a constant with its source, a grid configuration, or an extra configuration."""
+
+    value: Optional[float] = None
+    source: str = ""
+    setting: dict[str, Any] = field(default_factory=dict)
+    overrides: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Controls:
+    positive: list[Comparison] = field(default_factory=list)
+    floor: Optional[Reference] = None
+    ceiling: Optional[Reference] = None
+
+
+@dataclass
+class TuneSpec:
+    """Per-method hyper-parameter search on a validation metric."""
+
+    by: str = "strategy.name"
+    grid: dict[str, list[Any]] = field(default_factory=dict)
+    methods: dict[str, dict[str, list[Any]]] = field(default_factory=dict)
+    metric: str = "val/accuracy"
+    higher_is_better: bool = True
+    seeds: Optional[list[int]] = None
+    at: dict[str, Any] = field(default_factory=dict)
+
+
+def normalise_raw(raw: dict[str, Any]) -> dict[str, Any]:
+    """Accept a single mapping where a list is meant (``claim:``, ``controls.positive:``)."""
+    raw = dict(raw)
+    if isinstance(raw.get("claim"), dict):
+        raw["claim"] = [raw["claim"]]
+    controls = raw.get("controls")
+    if isinstance(controls, dict) and isinstance(controls.get("positive"), dict):
+        raw["controls"] = {**controls, "positive": [controls["positive"]]}
+    return raw
+
+
+# -- matching -----------------------------------------------------------------------------------
+def _same(want: Any, have: Any) -> bool:
+    """Does a claim's value pick a grid value? A name picks a mapping with that ``name``."""
+    if isinstance(have, dict) and not isinstance(want, dict):
+        return have.get("name") == want
+    if isinstance(want, (int, float)) and isinstance(have, (int, float)) and not isinstance(want, bool):
+        return float(want) == float(have)
+    if want is None or have is None:  # eps: null and .inf both mean no DP
+        other = have if want is None else want
+        return other is None or (isinstance(other, float) and math.isinf(other))
+    return want == have
+
+
+def matches(setting: dict[str, Any], want: dict[str, Any]) -> bool:
+    return all(k in setting and _same(v, setting[k]) for k, v in want.items())
+
+
+def pick(grid: list[dict[str, Any]], want: dict[str, Any], what: str) -> int:
+    """The index of the one grid configuration matching ``want``; anything else is an error."""
+    unknown = [k for k in want if not grid or k not in grid[0]]
+    if unknown:
+        raise ConfigError(f"{what}: {unknown[0]!r} is not a grid key; claims pick configurations by grid keys")
+    hits = [i for i, s in enumerate(grid) if matches(s, want)]
+    if len(hits) != 1:
+        raise ConfigError(f"{what}: {dict(want)} matches {len(hits)} configurations, not one; "
+                          "add the missing grid keys to it or to `at`")
+    return hits[0]
+
+
+def method_of(setting: dict[str, Any], key: str) -> str:
+    value = setting[key]
+    return str(value.get("name", value)) if isinstance(value, dict) else str(value)
+
+
+def tune_candidates(tune: TuneSpec, method: str) -> list[dict[str, Any]]:
+    """Every combination of the method's grid (its own under ``methods``, else ``grid``)."""
+    grid = tune.methods.get(method, tune.grid)
+    keys = list(grid)
+    return [dict(zip(keys, values)) for values in itertools.product(*(grid[k] for k in keys))]
+
+
+def candidate_text(candidate: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in candidate.items())
+
+
+# -- validation ---------------------------------------------------------------------------------
+def validate_protocol(spec: Any, grid: list[dict[str, Any]], path: str) -> None:
+    """One-line errors for a claim spec's protocol sections (called after the spec loads)."""
+    if not 0.0 < spec.confidence < 1.0:
+        raise ConfigError(f"{path}: confidence must be in (0, 1), got {spec.confidence}")
+    if spec.interval not in V.INTERVALS:
+        raise ConfigError(f"{path}: interval must be one of {', '.join(V.INTERVALS)}, got {spec.interval!r}")
+    if spec.minutes_per_run is not None and spec.minutes_per_run <= 0:
+        raise ConfigError(f"{path}: minutes_per_run must be > 0, got {spec.minutes_per_run}")
+    for i, comp in enumerate(spec.claim):
+        _check_comparison(comp, grid, f"{path}: claim {i + 1}")
+    for i, comp in enumerate(spec.controls.positive):
+        _check_comparison(comp, grid, f"{path}: controls.positive {i + 1}")
+    for role in ("floor", "ceiling"):
+        ref = getattr(spec.controls, role)
+        if ref is not None:
+            _check_reference(ref, grid, f"{path}: controls.{role}")
+    if spec.tune is not None:
+        _check_tune(spec.tune, spec, grid, f"{path}: tune")
+
+
+def _check_comparison(comp: Comparison, grid: list[dict[str, Any]], what: str) -> None:
+    if comp.kind not in (V.SUPERIORITY, V.EQUIVALENCE):
+        raise ConfigError(f"{what}: kind must be {V.SUPERIORITY} or {V.EQUIVALENCE}, got {comp.kind!r}")
+    if not comp.better or not comp.worse:
+        raise ConfigError(f"{what}: needs both `better` and `worse` (grid keys -> values)")
+    if comp.kind == V.EQUIVALENCE and comp.margin <= 0:
+        raise ConfigError(f"{what}: an equivalence claim needs a margin > 0, got {comp.margin}")
+    b = pick(grid, {**comp.at, **comp.better}, f"{what} `better`")
+    w = pick(grid, {**comp.at, **comp.worse}, f"{what} `worse`")
+    if b == w:
+        raise ConfigError(f"{what}: `better` and `worse` pick the same configuration")
+
+
+def _check_reference(ref: Reference, grid: list[dict[str, Any]], what: str) -> None:
+    given = [ref.value is not None, bool(ref.setting), bool(ref.overrides)]
+    if sum(given) != 1:
+        raise ConfigError(f"{what}: give exactly one of value (with source), setting or overrides")
+    if ref.value is not None and not ref.source.strip():
+        raise ConfigError(f"{what}: a constant reference needs its source (where the value was measured)")
+    if ref.setting:
+        pick(grid, ref.setting, what)
+
+
+def _check_tune(tune: TuneSpec, spec: Any, grid: list[dict[str, Any]], what: str) -> None:
+    if not tune.metric.startswith("val/"):
+        raise ConfigError(f"{what}.metric must be a validation metric (val/...), got {tune.metric!r}: "
+                          "tuning on the test metric would bias the verdict")
+    if tune.by not in spec.grid:
+        raise ConfigError(f"{what}.by: {tune.by!r} is not a grid key (the key that names a method)")
+    methods = {method_of(s, tune.by) for s in grid}
+    unknown = sorted(set(tune.methods) - methods)
+    if unknown:
+        raise ConfigError(f"{what}.methods: {unknown[0]!r} is not a value of {tune.by} in the grid")
+    for method in methods:
+        g = tune.methods.get(method, tune.grid)
+        if not g:
+            raise ConfigError(f"{what}: no grid for method {method!r}; set tune.grid or tune.methods.{method}")
+        for key, values in g.items():
+            if key in spec.grid:
+                raise ConfigError(f"{what}: {key!r} is a claim grid key; tune keys must not be")
+            if not isinstance(values, list) or not values:
+                raise ConfigError(f"{what}: {key} needs a non-empty list of values")
+    if tune.seeds is not None and not tune.seeds:
+        raise ConfigError(f"{what}.seeds is empty")
+    if tune.at and not any(matches(s, tune.at) for s in grid):
+        raise ConfigError(f"{what}.at: {dict(tune.at)} matches no configuration")
+
+
+# -- verdicts -----------------------------------------------------------------------------------
+def comparison_text(comp: Comparison, metric: str) -> str:
+    """``a > b by m on metric at k=v`` (or ``|a − b| < m ...``), unless the spec names it."""
+    if comp.name:
+        return comp.name
+    from fedsim.reproduce import label_of
+
+    a, b = label_of(comp.better), label_of(comp.worse)
+    where = f" at {label_of(comp.at)}" if comp.at else ""
+    if comp.kind == V.EQUIVALENCE:
+        return f"|{a} − {b}| < {comp.margin:g} on {metric}{where}"
+    op = ">" if comp.higher_is_better else "<"
+    return f"{a} {op} {b} by {comp.margin:g} on {metric}{where}"
+
+
+def per_seed(result: Any, metric: str, spec_metric: str) -> dict[int, float]:
+    """One configuration's final value of ``metric`` per seed."""
+    values = result.finals if metric == spec_metric else result.extras.get(metric, [])
+    return dict(zip(result.seeds, values))
+
+
+@dataclass
+class VerdictRow:
+    role: str  # "claim" or "control"
+    text: str
+    metric: str
+    verdict: V.Verdict
+    control: str  # passed | failed | "" (a control row)
+
+    def as_row(self) -> dict[str, str]:
+        iv = self.verdict.interval
+        return {"kind": self.role, "claim": self.text,
+                "difference": iv.text(),
+                "interval": f"{iv.confidence:.0%} {'paired t' if iv.method == 't' else 'percentile bootstrap'}, "
+                            f"{iv.n} paired seeds",
+                "verdict": self.verdict.verdict, "control": self.control or "–",
+                "to decide": self.verdict.decide_text() or "–"}
+
+    def as_csv(self) -> dict[str, Any]:
+        iv = self.verdict.interval
+        return {"kind": self.role, "claim": self.text, "metric": self.metric, "mean_difference": iv.mean,
+                "ci_low": iv.lo, "ci_high": iv.hi, "interval": iv.method, "confidence": iv.confidence,
+                "seeds": iv.n, "margin": self.verdict.margin, "claim_kind": self.verdict.kind,
+                "verdict": self.verdict.verdict, "control": self.control,
+                "seeds_to_decide": self.verdict.decide_text()}
+
+
+def _evaluate(spec: Any, comp: Comparison, grid_results: list[Any], what: str, controls_passed: bool,
+              role: str, control: str) -> VerdictRow:
+    grid = [r.setting for r in grid_results]
+    metric = comp.metric or spec.metric
+    better = grid_results[pick(grid, {**comp.at, **comp.better}, what)]
+    worse = grid_results[pick(grid, {**comp.at, **comp.worse}, what)]
+    _, d = V.paired_differences(per_seed(better, metric, spec.metric), per_seed(worse, metric, spec.metric),
+                                higher_is_better=comp.higher_is_better, what=what)
+    verdict = V.decide(d, comp.margin, kind=comp.kind, confidence=spec.confidence, method=spec.interval,
+                       seed=0, controls_passed=controls_passed)
+    return VerdictRow(role, comparison_text(comp, metric), metric, verdict, control)
+
+
+def verdict_rows(spec: Any, results: list[Any]) -> list[VerdictRow]:
+    """The controls first (a control passes when it holds), then every claim (``invalid`` if one failed)."""
+    grid_results = [r for r in results if not r.role]
+    controls = [_evaluate(spec, c, grid_results, f"controls.positive {i + 1}", True, "control", "")
+                for i, c in enumerate(spec.controls.positive)]
+    passed = all(row.verdict.verdict == V.HOLDS for row in controls)
+    control = ("passed" if passed else "failed") if controls else "none"
+    claims = [_evaluate(spec, c, grid_results, f"claim {i + 1}", passed, "claim", control)
+              for i, c in enumerate(spec.claim)]
+    return controls + claims
+
+
+def reference_values(spec: Any, results: list[Any]) -> dict[str, tuple[float, str]]:
+    """``{"floor"|"ceiling": (value, where it comes from)}`` for the declared references."""
+    out: dict[str, tuple[float, str]] = {}
+    grid_results = [r for r in results if not r.role]
+    for role in ("floor", "ceiling"):
+        ref = getattr(spec.controls, role)
+        if ref is None:
+            continue
+        if ref.value is not None:
+            out[role] = (float(ref.value), f"constant: {ref.source}")
+            continue
+        if ref.setting:
+            res = grid_results[pick([r.setting for r in grid_results], ref.setting, f"controls.{role}")]
+            source = f"configuration {res.label}"
+        else:
+            res = next(r for r in results if r.role == role)
+            source = f"run with {' '.join(ref.overrides)}"
+        finals = [v for v in res.finals if not math.isnan(v)]
+        out[role] = (float(np.mean(finals)) if finals else float("nan"), f"{source} (mean of {len(finals)} seeds)")
+    return out
