@@ -9,6 +9,25 @@ B·A = UΣVᵀ → A ← V_rᵀ, B ← U_rΣ_r, so A is re-orthonormalised each 
 per-layer SVD of the formed product).  Period and warm-up as the authors' flags
 (``--recalculate-svd-period``, ``--svd-warmup-steps``; defaults 1 and 0).
 
+What the refactorisation does, as the authors coded it.  The rows of B·A lie in the row space of
+A, so V_rᵀ spans the same row space: the first refactorisation replaces A by an orthonormal basis of
+span(A₀), and every later one only rotates the factors, (A, B) → (RA, BRᵀ) with R = A_new Aᵀ
+orthogonal (r×r).  The client's loss sees (A, B) only through B·A, so its gradient in B rotates
+with B (∇_{BRᵀ} = ∇_B Rᵀ); SGD (also with momentum or weight decay, since a fresh optimiser is built each
+round), L2 gradient clipping, DP-SGD's per-sample clipping (‖GRᵀ‖ = ‖G‖) and isotropic Gaussian
+noise (ξRᵀ has ξ's law) all commute with the rotation, and so does the sample-weighted mean of B.
+Hence with local SGD — the authors' setting, lr 0.5, no weight decay — FedSVD *is* FFA-LoRA
+started from an orthonormalised A: identical B·A and head without DP, identical in distribution
+under DP (``tests/strategies/test_fedsvd_equivalence.py`` pins both, and that refactoring every
+round equals refactoring once).  What FedSVD changes relative to FFA-LoRA is A's scale: Kaiming-
+uniform(a=√5) rows have norm ≈ 1/√3 and V_rᵀ's rows norm 1, so at one learning rate FedSVD takes
+roughly 3× larger steps on B·A (one SGD step gives Δ(s·BA) = −η s² ∇_W AᵀA).  A comparison of the
+two at the same lr measures that step-size difference; the control that isolates it is
+``ffa_lora`` with ``strategy.params.orthonormalise_a=first_round`` (FedSVD's first refactorisation, then A frozen) or
+``init`` (A orthonormalised before round 1).  The SVD is not a no-op only with a local optimiser
+that is not rotation-invariant, such as Adam (``client.optimizer=adam``; its per-coordinate
+normalisation does not commute with BRᵀ): ``experiments/reproduce/fedsvd_mechanism.yaml``.
+
 Baselines, as the authors' code has them (``server.py``):
 
 * ``fedavg_lora`` — clients train A and B, the server averages both;
@@ -132,14 +151,56 @@ class FedAvgLoRA(LoraFedAvg):
     """FedAvg on LoRA: clients train A and B; both are averaged."""
 
 
+#: When FFA-LoRA orthonormalises A once in its own row space (``strategy.params.orthonormalise_a``).
+ORTHONORMALISE_MODES = ("none", "init", "first_round")
+
+
+def refactor_state(state: StateDict) -> StateDict:
+    """FedSVD's server step on every LoRA layer: B·A = UΣVᵀ → A ← V_rᵀ, B ← U_rΣ_r (B·A unchanged).
+
+    A's new rows are an orthonormal basis of A's own row space (completed inside it where B·A is
+    rank-deficient, e.g. B = 0), so the step never leaves span(A).
+    """
+    return dict(refactor_lora_state_dict(state, a_suffix=A_SUFFIX, b_suffix=B_SUFFIX))
+
+
 class FFALoRA(LoraFedAvg):
-    """FFA-LoRA: A frozen at its initialisation, only B trained and averaged."""
+    """FFA-LoRA: A frozen at its initialisation, only B trained and averaged.
+
+    ``orthonormalise_a`` is FedSVD's control: ``"init"`` replaces A by an orthonormal basis of its
+    own row space before round 1 (B = 0 then, so the model is unchanged), ``"first_round"`` applies
+    FedSVD's refactorisation once, after round 1's aggregation, exactly as FedSVD's first one;
+    ``"none"`` (default) is the paper's FFA-LoRA.  Both keep B·A and span(A).
+    """
 
     train_A = False
 
+    def __init__(self, *, orthonormalise_a: str = "none", **kwargs) -> None:
+        super().__init__(**kwargs)
+        if orthonormalise_a not in ORTHONORMALISE_MODES:
+            raise ConfigError(f"strategy.params.orthonormalise_a must be one of {', '.join(ORTHONORMALISE_MODES)}, "
+                              f"got {orthonormalise_a!r}")
+        self.orthonormalise_a = orthonormalise_a
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        if self.orthonormalise_a == "init" and server_round == 1:
+            arrays = ArrayRecord(refactor_state(arrays.to_torch_state_dict()))
+        return super().configure_train(server_round, arrays, config, grid)
+
+    def post_aggregate(self, server_round: int, state: StateDict, replies: list[Message]) -> StateDict:
+        if self.orthonormalise_a == "first_round" and server_round == 1:
+            return refactor_state(state)
+        return state
+
 
 class FedSVD(FFALoRA):
-    """FFA-LoRA plus an SVD refactorisation of every B·A after aggregation (A re-orthonormalised)."""
+    """FFA-LoRA plus an SVD refactorisation of every B·A after aggregation (A re-orthonormalised).
+
+    After the first refactorisation each later one is a rotation (RA, BRᵀ) that local SGD and
+    DP-SGD commute with, so with SGD this equals ``FFALoRA(orthonormalise_a="first_round")``; see
+    the module doc.  ``orthonormalise_a="init"`` also starts FedSVD from an orthonormal A₀.
+    """
 
     def __init__(self, *, svd_period: int, svd_warmup: int, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -151,9 +212,9 @@ class FedSVD(FFALoRA):
         return self.svd_period > 0 and server_round % self.svd_period == 0 and server_round > self.svd_warmup
 
     def post_aggregate(self, server_round: int, state: StateDict, replies: list[Message]) -> StateDict:
-        if not self.refactor_due(server_round):
-            return state
-        return dict(refactor_lora_state_dict(state, a_suffix=A_SUFFIX, b_suffix=B_SUFFIX))
+        if self.refactor_due(server_round):
+            return refactor_state(state)
+        return super().post_aggregate(server_round, state, replies)
 
 
 class FLoRA(LoraFedAvg):
@@ -192,7 +253,12 @@ class FedExLoRA(LoraFedAvg):
 
 
 @dataclass
-class FedSVDParams:
+class FFALoRAParams:
+    orthonormalise_a: str = "none"  # none | init | first_round: orthonormalise A once in its row space
+
+
+@dataclass
+class FedSVDParams(FFALoRAParams):
     svd_period: int = 1  # refactorise every this many rounds (0 = never: plain FFA-LoRA)
     svd_warmup: int = 0  # no refactorisation in the first rounds
 
@@ -214,9 +280,10 @@ def build_fedavg_lora(ctx: StrategyContext, params: None) -> FedAvgLoRA:
     return FedAvgLoRA(**_common(ctx, "fedavg_lora"))
 
 
-@STRATEGIES.register("ffa_lora", summary="FFA-LoRA (Sun et al., 2024): A frozen, B trained and averaged")
-def build_ffa_lora(ctx: StrategyContext, params: None) -> FFALoRA:
-    return FFALoRA(**_common(ctx, "ffa_lora"))
+@STRATEGIES.register("ffa_lora", params=FFALoRAParams,
+                     summary="FFA-LoRA (Sun et al., 2024): A frozen, B trained and averaged")
+def build_ffa_lora(ctx: StrategyContext, params: FFALoRAParams) -> FFALoRA:
+    return FFALoRA(orthonormalise_a=params.orthonormalise_a, **_common(ctx, "ffa_lora"))
 
 
 @STRATEGIES.register("fedsvd", params=FedSVDParams,
@@ -224,7 +291,8 @@ def build_ffa_lora(ctx: StrategyContext, params: None) -> FFALoRA:
 def build_fedsvd(ctx: StrategyContext, params: FedSVDParams) -> FedSVD:
     if params.svd_period < 0 or params.svd_warmup < 0:
         raise ConfigError("strategy.params.svd_period and svd_warmup must be >= 0")
-    return FedSVD(svd_period=params.svd_period, svd_warmup=params.svd_warmup, **_common(ctx, "fedsvd"))
+    return FedSVD(svd_period=params.svd_period, svd_warmup=params.svd_warmup,
+                  orthonormalise_a=params.orthonormalise_a, **_common(ctx, "fedsvd"))
 
 
 @STRATEGIES.register("flora", summary="FLoRA (Wang et al., 2024): stack client adapters into W, restart them")
