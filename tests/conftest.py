@@ -41,3 +41,12 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """`make test` runs two pytest-xdist workers (``-n 2 --dist loadgroup``): the slow end-to-end
+    tests (Ray, Flower, subprocesses, signals, deadlines) share one worker and run one at a time,
+    so no two Ray clusters or timing-sensitive runs overlap; the fast tests fill the other worker."""
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            item.add_marker(pytest.mark.xdist_group("slow"))
