@@ -125,40 +125,37 @@ def load_dataset(cfg: DataConfig, seed: int) -> ArrayDataset:
     return loader(params, seed)
 
 
-def server_split(y: np.ndarray, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Stratified ``(server_test_index, pool_index)``, both sorted."""
+def _stratified_holdout(indices: np.ndarray, y: np.ndarray, fraction: float, seed: int, stream: str,
+                        key: str, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """Stratified ``(held_out, rest)`` of ``indices`` (labels ``y[indices]``), both sorted.
+
+    ``stream`` names the seed stream; ``key`` and ``what`` name the config key and the split in errors.
+    """
     from sklearn.model_selection import train_test_split
 
-    if not 0.0 < test_fraction < 1.0:
-        raise ConfigError(f"data.test_fraction must be in (0, 1), got {test_fraction}")
+    if not 0.0 < fraction < 1.0:
+        raise ConfigError(f"{key} must be in (0, 1), got {fraction}")
     try:
-        pool, test = train_test_split(
-            np.arange(len(y)), test_size=test_fraction, stratify=y,
-            random_state=derive_seed(seed, "server_split") % 2**32,
-        )
+        rest, held = train_test_split(indices, test_size=fraction, stratify=y[indices],
+                                      random_state=derive_seed(seed, stream) % 2**32)
     except ValueError as exc:
         raise ConfigError(
-            f"data.test_fraction={test_fraction}: cannot hold out a stratified server test split of "
-            f"{len(y)} examples ({' '.join(str(exc).split())}); change data.test_fraction"
+            f"{key}={fraction}: cannot hold out a stratified {what} of "
+            f"{len(indices)} examples ({' '.join(str(exc).split())}); change {key}"
         ) from None
-    return np.sort(test), np.sort(pool)
+    return np.sort(held), np.sort(rest)
+
+
+def server_split(y: np.ndarray, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Stratified ``(server_test_index, pool_index)``, both sorted."""
+    return _stratified_holdout(np.arange(len(y)), y, test_fraction, seed, "server_split",
+                               "data.test_fraction", "server test split")
 
 
 def validation_split(y: np.ndarray, pool_idx: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Stratified ``(validation_index, remaining_pool_index)`` carved out of ``pool_idx``, both sorted."""
-    from sklearn.model_selection import train_test_split
-
-    if not 0.0 < fraction < 1.0:
-        raise ConfigError(f"evaluation.validation_fraction must be in [0, 1), got {fraction}")
-    try:
-        rest, val = train_test_split(pool_idx, test_size=fraction, stratify=y[pool_idx],
-                                     random_state=derive_seed(seed, "validation_split") % 2**32)
-    except ValueError as exc:
-        raise ConfigError(
-            f"evaluation.validation_fraction={fraction}: cannot hold out a stratified validation split of "
-            f"{len(pool_idx)} examples ({' '.join(str(exc).split())}); change evaluation.validation_fraction"
-        ) from None
-    return np.sort(val), np.sort(rest)
+    return _stratified_holdout(pool_idx, y, fraction, seed, "validation_split",
+                               "evaluation.validation_fraction", "validation split")
 
 
 def partition_pool(labels: np.ndarray, num_clients: int, cfg: PartitionConfig, seed: int) -> list[np.ndarray]:
