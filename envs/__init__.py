@@ -34,6 +34,7 @@ from envs.streams import (
     permuted,
     split_classes,
 )
+from envs.glue import GLUE_TASKS, GlueParams, load_glue  # noqa: F401 (registers "glue")
 from envs.text import STDLIB_FAMILIES, StdlibDocsParams, load_stdlib_docs, stdlib_docs_texts
 
 __all__ = [

@@ -165,3 +165,9 @@ def load_synthetic(params: SyntheticParams | None, seed: int) -> ArrayDataset:
     std = x.std(axis=0)
     x = (x - x.mean(axis=0)) / np.where(std > 0, std, 1.0)
     return ArrayDataset(x, y, p.n_classes, "synthetic")
+
+
+# ------------------------------------------------------------------------------------- CIFAR-10
+# registered by its own module (binary batches from data.params.root); imported here so that importing
+# the datasets registers it like the others
+import envs.cifar  # noqa: E402,F401

@@ -199,7 +199,11 @@ def build_federated_data(cfg: DataConfig | DictConfig | Mapping[str, Any], num_c
     if not 0.0 <= cfg.client_test_fraction < 1.0:
         raise ConfigError(f"data.client_test_fraction must be in [0, 1), got {cfg.client_test_fraction}")
     source = load_dataset(cfg, seed)
-    test_idx, pool_idx = server_split(source.y, cfg.test_fraction, seed)
+    fixed = getattr(source, "test_index", None)  # a predefined test split (e.g. GLUE's dev set)
+    if fixed is not None:
+        test_idx, pool_idx = np.asarray(fixed, dtype=np.int64), np.setdiff1d(np.arange(len(source)), fixed)
+    else:
+        test_idx, pool_idx = server_split(source.y, cfg.test_fraction, seed)
     val_idx = None
     if validation_fraction:
         val_idx, pool_idx = validation_split(source.y, pool_idx, validation_fraction, seed)

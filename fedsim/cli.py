@@ -105,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="continue an interrupted claim check: finished runs are read back, the rest run")
     rep.add_argument("--plan", action="store_true",
                      help="print the runs (tuning and final) and an estimated time, then exit; records nothing")
+    rep.add_argument("--scale", default="default", metavar="{quick,default,paper}",
+                     help="which spec of NAME: NAME_quick.yaml, NAME.yaml (default) or NAME_paper.yaml")
 
     sw = sub.add_parser("sweep", help="run a grid × seeds as parallel Ray Tune trials under one MLflow parent run")
     sw.add_argument("sweep", help="a sweep (experiments/sweeps/NAME.yaml or a path) or an experiment name with --grid")
@@ -253,8 +255,9 @@ def cmd_run_central(args: argparse.Namespace) -> int:
 def cmd_reproduce(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from fedsim.reproduce import load_claim, plan_claim, results_table_rows, run_claim, verdicts_or_error
+    from fedsim.reproduce import claim_name, load_claim, plan_claim, results_table_rows, run_claim, verdicts_or_error
 
+    args.claim = claim_name(args.claim, args.scale)  # the spec at --scale names the run (fedphoenix_paper)
     spec = load_claim(args.claim, args.seeds, args.overrides)
     console = Console()
     if args.plan:

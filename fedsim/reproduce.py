@@ -122,7 +122,39 @@ def list_claims() -> list[str]:
     return sorted(p.stem for p in REPRODUCE_DIR.glob("*.yaml"))
 
 
-def load_claim(name: str, seeds: int | None = None, extra_overrides: list[str] | None = None) -> ClaimSpec:
+#: ``--scale`` values: the spec file each selects for a claim NAME (quick: NAME_quick.yaml, ...).
+SCALES = {"quick": "_quick", "default": "", "paper": "_paper"}
+
+
+def scales_of(name: str) -> list[str]:
+    """The scales whose spec file exists for claim ``name``."""
+    return [s for s, suffix in SCALES.items() if (REPRODUCE_DIR / f"{name}{suffix}.yaml").is_file()]
+
+
+def claim_name(name: str, scale: str = "default") -> str:
+    """The spec name for ``name`` at ``scale`` (``fedphoenix`` + paper -> ``fedphoenix_paper``); ConfigError if absent."""
+    if scale not in SCALES:
+        raise ConfigError(f"--scale must be one of {', '.join(SCALES)}, got {scale!r}")
+    if scale == "default":
+        return name
+    if name.endswith((".yaml", ".yml")):
+        raise ConfigError(f"--scale {scale} selects a claim by name (experiments/reproduce/NAME_{scale}.yaml), "
+                          f"not a path: {name}")
+    resolved = f"{name}{SCALES[scale]}"
+    if not (REPRODUCE_DIR / f"{resolved}.yaml").is_file():
+        found = scales_of(name)
+        raise ConfigError(f"no {scale!r} scale for claim check {name!r} (no {REPRODUCE_DIR / resolved}.yaml); "
+                          f"scales of {name}: {', '.join(found) or 'none (unknown claim)'}")
+    return resolved
+
+
+def load_claim(name: str, seeds: int | None = None, extra_overrides: list[str] | None = None,
+               scale: str = "default") -> ClaimSpec:
+    """The claim spec ``name`` (a name in experiments/reproduce/ or a YAML path) at ``scale``.
+
+    ``extra_overrides`` (the command line's) go after the spec's own, so they win.
+    """
+    name = claim_name(name, scale)
     path = Path(name) if name.endswith((".yaml", ".yml")) else REPRODUCE_DIR / f"{name}.yaml"
     if not path.is_file():
         raise ConfigError(f"no claim check named {name!r}; known: {', '.join(list_claims()) or 'none'}")
@@ -286,6 +318,25 @@ def _check_tuning_configs(spec: ClaimSpec, cfgs: list[Any]) -> None:
                               "a validation split: add evaluation.validation_fraction=0.1 (say) to the overrides")
 
 
+def preflight_data(cfg: Any) -> None:
+    """Build the first run's components and data before the parent run exists.
+
+    A setting error that every child would hit (a missing dataset directory, a model path that is not
+    a model) is then one :class:`ConfigError` before anything is recorded, instead of a parent whose
+    every child failed.  Centralised methods check their params in :func:`build_config` already.
+    """
+    if not isinstance(cfg, C.ExperimentConfig):
+        return
+    from fedsim.engine.runtime import RunSpec, get_learner
+    from fedsim.runner import preflight
+
+    spec = RunSpec.from_config(cfg)
+    preflight(spec)
+    learner = get_learner(spec)
+    learner.preflight()
+    learner.setup_summary()  # builds the data, as run_experiment does before its MLflow run exists
+
+
 def run_claim(
     name: str,
     spec: ClaimSpec,
@@ -308,7 +359,9 @@ def run_claim(
     _check_tuning_configs(spec, tune_cfgs)
     base_jobs = final_jobs(spec, grid, {})
     base_cfgs = [build_config(spec, j.setting, j.seed, j.extra) for j in base_jobs]
-    run_one = run_one or _default_runner(base_cfgs[0])
+    if run_one is None:
+        run_one = _default_runner(base_cfgs[0])
+        preflight_data(base_cfgs[0])  # e.g. a missing data.params.root: one line now, not one failed run per child
     tracking = base_cfgs[0].tracking
     if tracking.enabled:  # one store for the parent and every child, checked before anything starts
         tracking_uri = resolve_tracking_uri(tracking_uri, tracking.uri, check=True)

@@ -153,7 +153,7 @@ def _target_names(encoder: nn.Module, targets: list[str]) -> list[str]:
     for target in targets:
         hits = [n for n in names if n == target or n.endswith("." + target)]
         if not hits:
-            raise ConfigError(f"model.params.targets: no nn.Linear named {target!r} in MiniLM "
+            raise ConfigError(f"model.params.targets: no nn.Linear named {target!r} in the encoder "
                               f"(e.g. query, key, value, attention.output.dense)")
         chosen += [n for n in hits if n not in chosen]
     return sorted(chosen, key=names.index)
@@ -177,11 +177,11 @@ class MiniLMLoRAClassifier(nn.Module):
     ``forward(input_ids)`` takes int64 token ids (N, L), L <= 512, and returns logits (N, num_classes).
     """
 
-    def __init__(self, params: MiniLMLoRAParams, num_classes: int) -> None:
+    def __init__(self, params: MiniLMLoRAParams, num_classes: int, encoder: nn.Module | None = None) -> None:
         super().__init__()
         _check(params)
         self.params = params
-        self.bert = copy.deepcopy(pretrained_encoder())
+        self.bert = copy.deepcopy(encoder if encoder is not None else pretrained_encoder())  # any HF encoder
         self.pad_id = int(self.bert.config.pad_token_id)
         self._lora_names = _target_names(self.bert, list(params.targets))
         for name in self._lora_names:

@@ -126,3 +126,14 @@ def test_client_failures_are_counted_live_and_when_read_back(tmp_path, tracking_
     assert "client failures" not in rows[0] and rows[1]["client failures"] == "4"
     read_back, _ = run_claim("c", spec, tracking_uri=tracking_uri, resume_parent=parent_id)
     assert [r.client_failures for r in read_back] == [0, 4]
+
+
+def test_a_setting_error_every_child_would_hit_stops_the_claim_check_before_a_parent_exists(in_tmp, capsys):
+    """A missing dataset root is one line and exit 2, not a recorded parent whose every child failed."""
+    from fedsim.cli import main
+
+    code = main(["reproduce", "fedphoenix", "--scale", "paper", "rounds=1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and err[0].startswith("fedsim: error:") and "data.params.root" in err[0]
+    assert not (in_tmp / "mlflow.db").exists() and not (in_tmp / "mlruns").exists()
