@@ -20,7 +20,7 @@ from fedsim import config as C
 from fedsim.errors import ConfigError
 from fedsim.engine.runtime import RunSpec, drop_learners
 from fedsim.engine.server import build_strategy
-from fedsim.models.minilm import LoRALinear
+from fedsim.models.minilm import LoRALinear, MiniLMLoRAClassifier
 from fedsim.registry import MODELS
 from fedsim.runner import RunSummary, run_experiment
 from strategies.lora import A_SUFFIX, B_SUFFIX, FedSVD, FFALoRA, lora_prefixes, refactor_state
@@ -70,15 +70,9 @@ class TinyLoRA(nn.Module):
             wanted |= {f"{p}.base_layer.weight" for p in self.lora_layers()}
         return [k for k in self.state_dict() if k in wanted]
 
-    def set_trainable(self, A: bool, B: bool, head: bool) -> None:  # noqa: N803
-        for layer in self.lora_layers().values():
-            layer.lora_A.weight.requires_grad_(A)
-            layer.lora_B.weight.requires_grad_(B)
-        for p in self.classifier.parameters():
-            p.requires_grad_(head)
-
-    def trainable_keys(self) -> list[str]:
-        return [n for n, p in self.named_parameters() if p.requires_grad]
+    # the same hooks as minilm_lora, not copies of them
+    set_trainable = MiniLMLoRAClassifier.set_trainable
+    trainable_keys = MiniLMLoRAClassifier.trainable_keys
 
 
 if TINY_MODEL not in MODELS._entries:  # registered once per session, never shadowing a real model
