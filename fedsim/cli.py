@@ -344,10 +344,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_ui(args: argparse.Namespace) -> int:
     from fedsim.store import sqlite_path
-    from fedsim.tracking import check_tracking_uri, mlflow_client, resolve_tracking_uri
+    from fedsim.tracking import mlflow_client, resolve_tracking_uri
 
-    uri = resolve_tracking_uri(args.tracking_uri)
-    check_tracking_uri(uri)
+    uri = resolve_tracking_uri(args.tracking_uri, check=True)
     exe = shutil.which("mlflow", path=os.path.dirname(sys.executable)) or shutil.which("mlflow")
     if exe is None:
         from fedsim.errors import FedsimError
