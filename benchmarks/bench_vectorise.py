@@ -93,7 +93,7 @@ def steady_round_s(cfg: C.ExperimentConfig, repeat: int) -> float:
 
 def auto_choice(cfg: C.ExperimentConfig) -> bool:
     """What ``engine.vectorise=auto`` decides for this configuration's first round."""
-    from clients.base import NodeContext
+    from fedsim.contracts.learner import NodeContext
     from clients.vectorised import auto_vectorise
     from fedsim.engine.runtime import RunSpec, get_learner
 

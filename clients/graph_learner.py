@@ -79,7 +79,7 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord
 
-from clients.base import EvalResult, Learner, NodeContext, StateDict, TrainResult
+from fedsim.contracts.learner import EvalResult, Learner, NodeContext, StateDict, TrainResult
 from clients.graph.baselines import METHODS, MethodSpec
 from envs.graphs import CSBMParams, GraphDomains, citation_domains, csbm_domains
 from fedsim.config import ExperimentConfig
@@ -90,7 +90,7 @@ from fedsim.seeding import derive_seed, seed_torch, torch_generator
 if TYPE_CHECKING:  # the PyG-based modules load on first use: registering the learner stays cheap
     from clients.graph.model import Compensation, GraphNet
     from clients.graph.task import GraphTask, GraphView
-    from fedsim.engine.history import History
+    from fedsim.contracts.history import History
 
 log = logging.getLogger("fedsim")
 

@@ -58,7 +58,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from clients.base import EvalResult, Learner, NodeContext, StateDict, TrainResult
+from fedsim.contracts.learner import EvalResult, Learner, NodeContext, StateDict, TrainResult
 from clients.ldl.augment import Augment, AugmentParams, augment_for
 from clients.ldl.measures import MEASURES, RANKS, ldl_measures
 from clients.ldl.methods import RECIPES, Recipe, Weights, predict, pseudo_distributions, recipe_of, step_loss
@@ -72,7 +72,7 @@ from fedsim.registry import LEARNERS
 from fedsim.seeding import derive_seed, seed_torch
 
 if TYPE_CHECKING:
-    from fedsim.engine.history import History
+    from fedsim.contracts.history import History
 
 DATASETS = ("a", "b")  # a: image LDL (digits / MNIST), b: synthetic tabular LDL
 #: The measures of the pseudo-distributions reported as train metrics (and ``eval/pseudo_*`` all eight).

@@ -107,7 +107,7 @@ import torch
 import torch.nn.functional as F
 from flwr.app import ArrayRecord
 
-from clients.base import EvalResult, Learner, NodeContext, StateDict, TrainResult
+from fedsim.contracts.learner import EvalResult, Learner, NodeContext, StateDict, TrainResult
 from clients.lora_meta_model import LoraNet, build
 from fedsim.config import ExperimentConfig
 from fedsim.errors import ConfigError
@@ -115,7 +115,7 @@ from fedsim.registry import DATASETS, LEARNERS
 from fedsim.seeding import derive_seed, numpy_rng
 
 if TYPE_CHECKING:
-    from fedsim.engine.history import History
+    from fedsim.contracts.history import History
 
 log = logging.getLogger("fedsim")
 

@@ -1,21 +1,21 @@
 """CKA-RL and its baselines on a continual CartPole task stream, as a fedsim learner (``ckarl``).
 
 Paper: "Continual Knowledge Adaptation for Reinforcement Learning" (Hu et al., NeurIPS 2025,
-OpenReview ``QRlVickNdN``); the method is in :mod:`clients.rl.ckarl`, the baselines (from scratch,
-FT-1, FT-N) in :mod:`clients.rl.baselines`, PPO in :mod:`clients.rl.ppo`, the stream in
+OpenReview ``QRlVickNdN``); the method is in :mod:`algorithms.ckarl.ckarl`, the baselines (from scratch,
+FT-1, FT-N) in :mod:`algorithms.ckarl.baselines`, PPO in :mod:`algorithms.ckarl.ppo`, the stream in
 :mod:`envs.rl_tasks`.  The learner owns its environment and model: ``cfg.data`` and ``cfg.model``
-are ignored (every setting is in ``client.params``, :class:`clients.rl.config.RLParams`).
+are ignored (every setting is in ``client.params``, :class:`algorithms.ckarl.config.RLParams`).
 
 **Rounds.** A task lasts ``rounds_per_task`` rounds; in each round every node runs
 ``steps_per_task / rounds_per_task`` environment steps of PPO (CleanRL iterations of 4 envs x 128
 steps) on its own instance of the current task, continuing its episodes and Adam moments from its
 previous round (node-local ``ctx.state``).  ``rounds`` must be tasks x rounds_per_task.
 
-**What travels.** The method's arrays (:mod:`clients.rl.agent`): the keys trained in the current
+**What travels.** The method's arrays (:mod:`algorithms.ckarl.agent`): the keys trained in the current
 task (CKA-RL: v_k, beta_k and the critic; the baselines: the actor and the critic) are averaged by
 the ``ckarl`` strategy (FedAvg weighted by steps, i.e. uniformly); theta_base, the pool and the
 stored copies are global and only the server changes them: after a task's last round it pushes v_k
-into the pool and runs Adaptive Knowledge Merging (:func:`clients.rl.node.server_update`).  The
+into the pool and runs Adaptive Knowledge Merging (:func:`algorithms.ckarl.node.server_update`).  The
 critic is shared and averaged too (it is re-initialised at every task, and PPO needs one).
 Centralised = one node (nominal physics); federated = several nodes, each with its own physics
 noise on every task (``client_physics_std``), the same task order.
@@ -24,11 +24,11 @@ noise on every task (``client_physics_std``), the same task order.
 nominal physics, the task-aware policy and the latest policy (``eval/ret_t{j}``,
 ``eval/succ_t{j}``, ``eval/latest_ret_t{j}``, ``eval/latest_succ_t{j}``, ``eval/memory``,
 ``eval/pool_size``); these rows form the return matrices.  :meth:`RLLearner.final_report` adds the
-paper's metrics (:mod:`clients.rl.report`) and plots.
+paper's metrics (:mod:`algorithms.ckarl.report`) and plots.
 
 **Reference.** Success thresholds (0.8 x a from-scratch agent's final return per task, as CompoNet's
 ``process_results.py`` defines success) and FWT's baseline curves come from the from-scratch
-reference :func:`clients.rl.node.reference`: method ``scratch`` run once, centralised, on the same
+reference :func:`algorithms.ckarl.node.reference`: method ``scratch`` run once, centralised, on the same
 stream, PPO settings, schedule and seed, and cached on disk (``$FEDSIM_CACHE/rl-reference``).  It
 costs one scratch run the first time per seed.  Federated runs are compared with the same
 centralised reference.
@@ -45,19 +45,19 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord
 
-from clients.base import EvalResult, Learner, NodeContext, StateDict, TrainResult
-from clients.rl.agent import Method
-from clients.rl.ckarl import CKARL
-from clients.rl.config import RLParams, build_method
-from clients.rl.evaluation import EvalCache, evaluate_returns
-from clients.rl.node import NodeState, Reference, eval_seed, node_task, reference, train_round
-from clients.rl.report import RunCurves, curve_metrics, matrix_metrics, plot_curves, plot_memory
+from fedsim.contracts.learner import EvalResult, Learner, NodeContext, StateDict, TrainResult
+from algorithms.ckarl.agent import Method
+from algorithms.ckarl.ckarl import CKARL
+from algorithms.ckarl.config import RLParams, build_method
+from algorithms.ckarl.evaluation import EvalCache, evaluate_returns
+from algorithms.ckarl.node import NodeState, Reference, eval_seed, node_task, reference, train_round
+from algorithms.ckarl.report import RunCurves, curve_metrics, matrix_metrics, plot_curves, plot_memory
 from fedsim.config import ExperimentConfig
 from fedsim.errors import ConfigError
 from fedsim.registry import LEARNERS
 
 if TYPE_CHECKING:
-    from fedsim.engine.history import History
+    from fedsim.contracts.history import History
 
 log = logging.getLogger("fedsim")
 

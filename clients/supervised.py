@@ -19,7 +19,7 @@ only, so FedProx's proximal term (not a per-sample loss) is rejected under DP.
 
 Two hooks let server-side algorithms shape local training through the round config alone:
 
-* model transforms named under ``"transform"`` (see :mod:`clients.transforms`, e.g. FedPhoenix's
+* model transforms named under ``"transform"`` (see :mod:`fedsim.contracts.transforms`, e.g. FedPhoenix's
   filter reset) are applied to the received global model before the optimiser is built;
 * when the config carries ``"proximal-mu"`` (as Flower's ``FedProx`` sends it), the local objective
   adds FedProx's proximal term ``(mu/2) * ||w - w_global||^2`` over the trainable parameters, with
@@ -37,8 +37,9 @@ import torch
 from flwr.app import MetricRecord
 from torch import nn
 
-from clients.base import EvalResult, Learner, NodeContext, StateDict, TrainResult
-from clients.transforms import apply_transforms
+from fedsim.contracts.learner import EvalResult, Learner, NodeContext, StateDict, TrainResult
+from fedsim.contracts.transforms import apply_transforms
+from fedsim.contracts.wire import LORA_TRAIN_A, LORA_TRAIN_B, PROXIMAL_MU
 from envs.federated import FederatedData, load_federated_data_cached
 from envs.plots import plot_label_histogram
 from fedsim.config import ExperimentConfig
@@ -53,10 +54,6 @@ from privacy.plan import ClientPrivacyPlan, plan_client
 
 log = logging.getLogger("fedsim")
 
-#: Round-config key of FedProx's proximal coefficient (the key Flower's ``FedProx`` strategy sends).
-PROXIMAL_MU = "proximal-mu"
-#: Round-config keys of the LoRA strategies: which adapter factors the client trains.
-LORA_TRAIN_A, LORA_TRAIN_B = "lora-train-A", "lora-train-B"
 #: Per-node state record of the DP steps this client has spent.
 DP_STATE = "dp-spent"
 
@@ -198,6 +195,17 @@ class SupervisedLearner(Learner):
     @property
     def sample_level_dp(self) -> bool:
         return self.cfg.privacy.enabled and self.cfg.privacy.level == "sample"
+
+    # -- cohort training (engine.vectorise): one vmapped step for many clients, clients.vectorised --
+    def cohort_refusal(self, ctxs: list[NodeContext], auto: bool) -> str | None:
+        from clients.vectorised import auto_vectorise, vectorise_unsupported
+
+        return (auto_vectorise if auto else vectorise_unsupported)(self, ctxs)
+
+    def train_cohort(self, arrays_list: list[StateDict], ctxs: list[NodeContext], chunk: int) -> list[TrainResult]:
+        from clients.vectorised import train_cohort
+
+        return train_cohort(self, arrays_list, ctxs, chunk)
 
     def local_work(self, partition_id: int) -> float:
         if self.sample_level_dp:

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord
 
-from clients.base import EvalResult, Learner, NodeContext, StateDict, TrainResult
+from fedsim.contracts.learner import EvalResult, Learner, NodeContext, StateDict, TrainResult
 from clients.tta import TTAMethod, build_method, make_params, norm_state
 from clients.tta.analysis import group_report
 from clients.tta_source import SourceData, SourceRecipe, clean_accuracy, source_data, source_model
@@ -59,7 +59,7 @@ from fedsim.registry import LEARNERS
 from fedsim.seeding import derive_seed, numpy_rng
 
 if TYPE_CHECKING:
-    from fedsim.engine.history import History
+    from fedsim.contracts.history import History
 
 log = logging.getLogger("fedsim")
 

@@ -64,10 +64,12 @@ from torch.func import functional_call, grad_and_value, vmap
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 from torch.nn.modules.dropout import _DropoutNd
 
-from clients.base import Learner, NodeContext, StateDict, TrainResult
-from clients.supervised import PROXIMAL_MU, SupervisedLearner, make_optimizer, num_local_steps
+from fedsim.contracts.learner import Learner, NodeContext, StateDict, TrainResult
+from fedsim.contracts.wire import PROXIMAL_MU
+from clients.supervised import SupervisedLearner, make_optimizer, num_local_steps
 from fedsim.seeding import seed_torch
-from clients.transforms import TRANSFORM_KEY, apply_transforms
+from fedsim.contracts.transforms import apply_transforms
+from fedsim.contracts.wire import TRANSFORM_KEY
 
 #: Methods a learner must inherit unchanged from SupervisedLearner for the result to be the same.
 KEPT_METHODS = ("train", "_train_plain", "loss", "_reply_arrays")

@@ -73,6 +73,8 @@ MAX_SEEDS = 10_000
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from fedsim.registry import ENGINES
+
     parser = _Parser(prog="fedsim", description="Federated and continual learning simulation platform.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
@@ -84,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--rounds", type=_positive_int, help="number of federated rounds")
     run.add_argument("--clients", type=_positive_int, help="number of simulated clients")
     run.add_argument("--seed", type=_positive_int, help="root seed (all randomness derives from it)")
-    run.add_argument("--engine", choices=["local", "ray", "flower"],
+    run.add_argument("--engine", choices=ENGINES.names(),
                      help="local (in-process), ray (fedsim's long-lived Ray actors) or flower (Flower's simulation)")
     run.add_argument("--eps", type=float, help="target privacy budget ε (DP experiments only)")
     run.add_argument("--tracking-uri", help="MLflow tracking URI; wins over $MLFLOW_TRACKING_URI, which wins over the "
@@ -173,8 +175,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from fedsim import config as C
-    from fedsim.progress import RoundProgress, summary_table
-    from fedsim.runner import run_experiment
 
     if C.is_central(args.experiment):
         return cmd_run_central(args)
@@ -191,6 +191,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.print_config:
         Console().print(C.to_yaml(cfg), markup=False, highlight=False)
         return 0
+    from fedsim.progress import RoundProgress, summary_table  # torch, Flower: not for --print-config
+    from fedsim.runner import run_experiment
+
     label = f"{cfg.name} · {cfg.strategy.name} · {cfg.engine.name}"
     if args.quiet:
         summary = run_experiment(cfg, tracking_uri=args.tracking_uri, resume_run_id=args.resume)
@@ -209,10 +212,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _check_checkpoint_dir(cfg: Any) -> None:
     """A run that will checkpoint fails now, not after its first round, when it cannot write them."""
-    from fedsim.runner import CHECKPOINTING_ENGINES
+    from fedsim.registry import ENGINES
     from fedsim.validation import check_writable_dir
 
-    if cfg.engine.checkpoint and cfg.tracking.enabled and cfg.engine.name in CHECKPOINTING_ENGINES:
+    if cfg.engine.checkpoint and cfg.tracking.enabled and ENGINES.get(cfg.engine.name).checkpointing:
         check_writable_dir(cfg.engine.checkpoint_dir, "engine.checkpoint_dir")
 
 
@@ -221,7 +224,7 @@ def cmd_run_central(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from central.base import method_params, run_central
+    from fedsim.central_runner import method_params, run_central
     from fedsim import config as C
 
     federated_only = {"--rounds": args.rounds, "--clients": args.clients, "--engine": args.engine,

@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from fedsim.errors import ConfigError
+from fedsim.registry import DATASETS, ENGINES, LEARNERS, MODELS, PARTITIONERS, STRATEGIES
 from fedsim.validation import check_fields, check_interpolations, rng, text
 
 EXPERIMENTS_DIR = Path(__file__).resolve().parent.parent / "experiments"
@@ -417,7 +418,9 @@ def _check(ok: bool, message: str) -> None:
 def validate(cfg: ExperimentConfig) -> None:
     """The declared field ranges (:func:`fedsim.validation.check_fields`), then cross-field checks."""
     check_fields(cfg)
-    _check(cfg.engine.name in ENGINES, f"engine must be one of {', '.join(ENGINES)}, got {cfg.engine.name!r}")
+    _check(cfg.engine.name in ENGINES,
+           f"engine must be one of {', '.join(ENGINES.names())}, got {cfg.engine.name!r}")
+    check_names(cfg)
     _check(cfg.client.optimizer in ("sgd", "adam"), f"client.optimizer must be 'sgd' or 'adam', got {cfg.client.optimizer!r}")
     _check(cfg.strategy.fraction_evaluate == 0 or cfg.data.client_test_fraction > 0,
            f"strategy.fraction_evaluate={cfg.strategy.fraction_evaluate} asks for client-side evaluation but "
@@ -427,7 +430,11 @@ def validate(cfg: ExperimentConfig) -> None:
     validate_privacy(cfg.privacy)
 
 
-ENGINES = ("local", "ray", "flower")
+def check_names(cfg: ExperimentConfig) -> None:
+    """Every component the config names is registered; answered from the plugin manifest, importing nothing."""
+    for registry, name in ((DATASETS, cfg.data.name), (PARTITIONERS, cfg.data.partition.name),
+                           (MODELS, cfg.model.name), (LEARNERS, cfg.client.learner), (STRATEGIES, cfg.strategy.name)):
+        registry.require(name)
 
 
 def validate_engine(e: EngineConfig) -> None:

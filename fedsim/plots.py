@@ -9,7 +9,7 @@ from fedsim.mpl import use_agg
 use_agg()
 import matplotlib.pyplot as plt  # noqa: E402
 
-from fedsim.engine.history import History  # noqa: E402
+from fedsim.contracts.history import History  # noqa: E402
 
 
 def plot_learning_curves(history: History, path: Path, title: str) -> Path:

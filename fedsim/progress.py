@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from fedsim.engine.history import History, RoundRecord
+from fedsim.contracts.history import History, RoundRecord
 
 
 class RoundProgress:

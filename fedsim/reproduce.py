@@ -45,7 +45,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from fedsim import claim_protocol as P
 from fedsim import config as C
-from fedsim.engine.history import History
+from fedsim.contracts.history import History
 from fedsim.errors import ConfigError, FedsimError
 
 REPRODUCE_DIR = C.EXPERIMENTS_DIR / "reproduce"
@@ -210,7 +210,7 @@ def build_config(spec: ClaimSpec, setting: dict[str, Any], seed: int, extra: lis
         if eps != "absent":
             raise ConfigError(f"claim grid key 'eps' applies to federated experiments, not {spec.experiment!r}")
         cfg_central = C.load_central_config(spec.experiment, overrides, seed)
-        from central.base import method_params
+        from fedsim.central_runner import method_params
 
         method_params(cfg_central)
         return cfg_central
@@ -233,7 +233,7 @@ def _dotlist_value(value: Any) -> str:
 
 def _default_runner(cfg: Any) -> Callable[..., Any]:
     if isinstance(cfg, C.CentralConfig):
-        from central.base import run_central
+        from fedsim.central_runner import run_central
 
         return run_central
     from fedsim.runner import run_experiment

@@ -16,14 +16,14 @@ from typing import Any, Callable
 import torch
 
 from fedsim import config as C
-from fedsim.engine.history import History, RoundObserver
+from fedsim.contracts.history import History, RoundObserver
 from fedsim.engine.runtime import RunSpec, check_learner, get_learner
 from fedsim.engine.server import ServerResult, build_strategy, required_results
 from fedsim.errors import FedsimError, RunFailedError
 from fedsim.logs import quiet_third_party
 from fedsim.plots import plot_learning_curves
 from fedsim.run_lifecycle import tracked_run
-from fedsim.registry import DATASETS, MODELS, PARTITIONERS
+from fedsim.registry import DATASETS, ENGINES, MODELS, PARTITIONERS
 
 
 @dataclass
@@ -39,6 +39,7 @@ class RunSummary:
 def preflight(spec: RunSpec) -> None:
     """Resolve every named component and validate its params before anything starts."""
     cfg = spec.cfg
+    C.check_names(cfg)
     DATASETS.params(cfg.data.name, cfg.data.params, "data.params")
     PARTITIONERS.entry(cfg.data.partition.name)
     MODELS.params(cfg.model.name, cfg.model.params, "model.params")
@@ -48,32 +49,14 @@ def preflight(spec: RunSpec) -> None:
     bad = [p for p in cfg.engine.faults.fail_partitions if not 0 <= p < cfg.num_clients]
     if bad:
         raise C.ConfigError(f"engine.faults.fail_partitions: {bad} outside 0..{cfg.num_clients - 1}")
-    if cfg.engine.name == "flower":
-        from fedsim.engine.flower import backend_config
-
-        backend_config(spec)
-    if cfg.engine.name == "ray":
-        from fedsim.engine.ray_pool import check_ray_resources
-
-        check_ray_resources(spec)
-
-
-#: Engines whose server keeps the node states, so runs on them checkpoint and resume.
-CHECKPOINTING_ENGINES = ("local", "ray")
+    engine = ENGINES.get(cfg.engine.name)
+    if engine.preflight is not None:
+        engine.preflight(spec)
 
 
 def _engine(name: str) -> Callable[..., ServerResult]:
-    if name == "flower":
-        from fedsim.engine.flower import run_flower
-
-        return run_flower
-    if name == "ray":
-        from fedsim.engine.ray_pool import run_ray
-
-        return run_ray
-    from fedsim.engine.local import run_local
-
-    return run_local
+    """The run function of engine ``name`` (its module is imported now, not before)."""
+    return ENGINES.get(name).run
 
 
 def run_experiment(
@@ -171,7 +154,7 @@ def _checkpoint_dir(cfg: C.ExperimentConfig, run_id: str | None, held: Any = Non
     off, untracked, or an engine that cannot); ``held`` is the resumed run's, already locked."""
     from fedsim.engine import checkpoint as ckpt
 
-    if not cfg.engine.checkpoint or run_id is None or cfg.engine.name not in CHECKPOINTING_ENGINES:
+    if not cfg.engine.checkpoint or run_id is None or not ENGINES.get(cfg.engine.name).checkpointing:
         return None
     return held or ckpt.CheckpointDir(_checkpoint_path(cfg, run_id), run_id)
 
@@ -221,8 +204,8 @@ def _load_resume(cfg: C.ExperimentConfig, run_id: str) -> tuple[Any, Any]:
 
     if not cfg.tracking.enabled:
         raise C.ConfigError("--resume continues an MLflow run, so it needs tracking; drop --no-tracking")
-    if cfg.engine.name not in CHECKPOINTING_ENGINES:
-        raise C.ConfigError(f"--resume works on the {' and '.join(CHECKPOINTING_ENGINES)} engines, not "
+    if not ENGINES.get(cfg.engine.name).checkpointing:
+        raise C.ConfigError(f"--resume works on the {' and '.join(ENGINES.checkpointing_names())} engines, not "
                             f"{cfg.engine.name!r}; add --engine local")
     held = ckpt.CheckpointDir(_checkpoint_path(cfg, run_id), run_id)
     if held.path.is_dir():  # no directory: nothing to lock, and load says there is no checkpoint
@@ -261,7 +244,7 @@ def _privacy_ledger(cfg: C.ExperimentConfig, learner: Any, setup: dict[str, Any]
 
     if cfg.privacy.level == "client":
         from privacy.client_level import plan_client_level
-        from strategies.base import StrategyContext
+        from fedsim.contracts.strategy import StrategyContext
 
         plan = plan_client_level(cfg, StrategyContext(cfg, cfg.num_clients).train_sample_size)
         setup.update({"privacy.noise_multiplier": plan.noise_multiplier, "privacy.target_epsilon": cfg.privacy.epsilon,

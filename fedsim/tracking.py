@@ -20,7 +20,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
-from fedsim.engine.history import RoundRecord
+from fedsim.contracts.history import RoundRecord
 
 MAX_PARAM_LEN = 500
 _LOCAL_SCHEMES = ("", "sqlite", "file")

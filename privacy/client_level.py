@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fedsim.config import ExperimentConfig
-from fedsim.engine.runtime import UNIT_WEIGHT
+from fedsim.contracts.wire import UNIT_WEIGHT
 from fedsim.errors import ConfigError
 from privacy.accounting import calibrate_noise
 

@@ -14,7 +14,7 @@ import csv
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from fedsim.engine.history import RoundRecord
+from fedsim.contracts.history import RoundRecord
 from privacy.accounting import epsilon_for
 
 STEPS = "privacy/steps"

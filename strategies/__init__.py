@@ -1,4 +1,7 @@
-"""Server-side algorithms: Flower Message-API strategies, registered by name."""
+"""Server-side algorithms: Flower Message-API strategies, registered by name.
 
-from strategies import ckarl, fedmut, fedphoenix, fedprox, flower_builtin, lora  # noqa: F401  (register themselves)
-from strategies.base import StrategyContext  # noqa: F401
+Each strategy module registers itself when imported; :data:`fedsim.plugins.BUILTINS` says which, so
+importing this package imports no strategy.
+"""
+
+from fedsim.contracts.strategy import StrategyContext  # noqa: F401

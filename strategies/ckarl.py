@@ -7,8 +7,8 @@ pool and its bookkeeping, the stored per-task copies.  After a task's last round
 the averaged v_k into the pool and runs Adaptive Knowledge Merging (the most cosine-similar pair
 averaged once |V| > K_max) -- on the server, because merging the nodes' pools separately and then
 averaging them is not the merge of the averaged pool.  The step itself is
-:func:`clients.rl.node.server_update`, the same function the centralised loop
-(:func:`clients.rl.node.run_stream`) calls, so one node through this strategy reproduces the
+:func:`algorithms.ckarl.node.server_update`, the same function the centralised loop
+(:func:`algorithms.ckarl.node.run_stream`) calls, so one node through this strategy reproduces the
 centralised run exactly.
 
 The strategy reads the learner's ``client.params`` (the stream length, rounds per task, K_max and
@@ -25,12 +25,12 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
-from clients.rl.agent import Method
-from clients.rl.config import RLParams, build_method
-from clients.rl.node import server_update
+from algorithms.ckarl.agent import Method
+from algorithms.ckarl.config import RLParams, build_method
+from algorithms.ckarl.node import server_update
 from fedsim.errors import ConfigError
 from fedsim.registry import LEARNERS, STRATEGIES
-from strategies.base import StrategyContext
+from fedsim.contracts.strategy import StrategyContext
 
 log = logging.getLogger("fedsim")
 

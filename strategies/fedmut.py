@@ -49,7 +49,7 @@ from flwr.serverapp.strategy import FedAvg
 from fedsim.errors import ConfigError
 from fedsim.registry import STRATEGIES
 from fedsim.seeding import derive_seed
-from strategies.base import StrategyContext
+from fedsim.contracts.strategy import StrategyContext
 
 
 @dataclass

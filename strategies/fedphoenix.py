@@ -5,7 +5,7 @@ global model in which a few convolution filters have been randomly redrawn.
 Each round, each sampled client gets an independent reset: in every ``Conv2d`` layer that the
 "stair" schedule still resets, ``floor(theta * out_channels)`` output filters chosen at random are
 redrawn from N(mu, sigma^2), mu and sigma being the mean and std of that layer's current weight
-(:func:`clients.transforms.phoenix_reset`).  Layer d of L (registration order, shallow to deep) is
+(:func:`algorithms.fedphoenix.phoenix_reset`).  Layer d of L (registration order, shallow to deep) is
 reset while ``round < (d+1) * r_s / L`` (authors' 0-based round = Flower round - 1), so shallow
 layers stop first and the rounds after ``r_s`` are plain FedAvg.  The server aggregates the
 clients' models with sample-size-weighted FedAvg.
@@ -48,8 +48,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
-from clients.transforms import (
-    DISTRIBUTIONS,
+from algorithms.fedphoenix import DISTRIBUTIONS, any_layer_reset
+from fedsim.contracts.wire import (
     PHOENIX,
     PHOENIX_DISTRIBUTION,
     PHOENIX_RESET_ROUNDS,
@@ -58,12 +58,11 @@ from clients.transforms import (
     PHOENIX_THETA,
     PHOENIX_TOTAL_ROUNDS,
     TRANSFORM_KEY,
-    any_layer_reset,
 )
 from fedsim.errors import ConfigError
 from fedsim.registry import STRATEGIES
 from fedsim.seeding import derive_seed
-from strategies.base import StrategyContext
+from fedsim.contracts.strategy import StrategyContext
 
 log = logging.getLogger("fedsim")
 

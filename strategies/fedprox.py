@@ -19,7 +19,7 @@ from flwr.serverapp.strategy import FedProx
 
 from fedsim.errors import ConfigError
 from fedsim.registry import STRATEGIES
-from strategies.base import StrategyContext
+from fedsim.contracts.strategy import StrategyContext
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 from flwr.serverapp.strategy import FedAvg
 
 from fedsim.registry import STRATEGIES
-from strategies.base import StrategyContext
+from fedsim.contracts.strategy import StrategyContext
 
 
 @STRATEGIES.register("fedavg", summary="Flower's FedAvg (McMahan et al., 2017), sample-size weighted")

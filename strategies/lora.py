@@ -63,13 +63,10 @@ from fedsim.errors import ConfigError
 from fedsim.kernels import refactor_lora_state_dict
 from fedsim.registry import MODELS, STRATEGIES
 from fedsim.seeding import derive_seed
-from strategies.base import StrategyContext
+from fedsim.contracts import wire as W
+from fedsim.contracts.strategy import StrategyContext
 
-A_SUFFIX = "lora_A.weight"
-B_SUFFIX = "lora_B.weight"
-BASE_SUFFIX = "base_layer.weight"
-#: Round-config keys telling the client learner which LoRA factors to train.
-TRAIN_A, TRAIN_B = "lora-train-A", "lora-train-B"
+A_SUFFIX, B_SUFFIX, BASE_SUFFIX = W.LORA_A_SUFFIX, W.LORA_B_SUFFIX, W.LORA_BASE_SUFFIX
 
 StateDict = dict[str, torch.Tensor]
 
@@ -112,7 +109,7 @@ class LoraFedAvg(FedAvg):
         self.global_arrays = arrays
         if not lora_prefixes(arrays.keys()):
             raise ConfigError(f"strategy {type(self).__name__} needs a LoRA model (e.g. model.name=minilm_lora)")
-        config = ConfigRecord({**dict(config), TRAIN_A: self.train_A, TRAIN_B: True})
+        config = ConfigRecord({**dict(config), W.LORA_TRAIN_A: self.train_A, W.LORA_TRAIN_B: True})
         return super().configure_train(server_round, self._outgoing(arrays), config, grid)
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,

@@ -2,7 +2,7 @@
 
 A method keeps its whole state in a flat dict of tensors (the *arrays* the server holds and the
 strategy averages): always ``critic`` (the value MLP's flat parameters) and ``round`` (the last
-completed server round, set by :func:`clients.rl.node.server_update`), plus its own keys
+completed server round, set by :func:`algorithms.ckarl.node.server_update`), plus its own keys
 (``actor``/``copies`` for the baselines; ``base``/``v``/``beta``/``pool``/... for CKA-RL).  Every key
 has a fixed shape for the whole run, as FedAvg needs.
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from clients.rl.ppo import MLP, FixedAgent
+from algorithms.ckarl.ppo import MLP, FixedAgent
 from fedsim.seeding import torch_generator
 
 StateDict = dict[str, Tensor]

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from clients.rl.agent import Method, StateDict
+from algorithms.ckarl.agent import Method, StateDict
 
 
 class FineTune(Method):

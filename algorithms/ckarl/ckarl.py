@@ -35,7 +35,7 @@ Where the authors' code and the paper differ, the paper is the default and the c
   tasks then use the current first layer; ``frozen`` -- the first layer stays theta_base's;
 * ``beta_init``: ``randn`` -- beta ~ N(0, I) (paper Alg. 1); ``randn_scaled`` -- randn(K)/K (code);
 * ``alpha_scale``: the code's softmax(beta * s) with a learnable scalar s (init 1); off = paper;
-* PPO ``clip_coef`` 0.2 (paper Table 5) vs the code's 0.1 lives in :class:`clients.rl.ppo.PPOConfig`.
+* PPO ``clip_coef`` 0.2 (paper Table 5) vs the code's 0.1 lives in :class:`algorithms.ckarl.ppo.PPOConfig`.
 
 Other details follow the code: beta (and s) have their own Adam (``alpha_learning_rate`` 2.5e-4,
 annealed with the main rate), the grad-norm clip covers them too, the merged vector goes to the end
@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from clients.rl.agent import Layout, Method, StateDict
+from algorithms.ckarl.agent import Layout, Method, StateDict
 from fedsim.errors import ConfigError
 from fedsim.seeding import torch_generator
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from clients.rl.agent import Layout, Method
-from clients.rl.baselines import FineTune, FineTuneN, Scratch
-from clients.rl.ckarl import CKARL, CKARLConfig
-from clients.rl.ppo import PPOConfig
+from algorithms.ckarl.agent import Layout, Method
+from algorithms.ckarl.baselines import FineTune, FineTuneN, Scratch
+from algorithms.ckarl.ckarl import CKARL, CKARLConfig
+from algorithms.ckarl.ppo import PPOConfig
 from envs.rl_tasks import DEFAULT_TASKS, CartPoleStreamConfig, cartpole_stream
 from envs.streams import TaskStream
 from fedsim.errors import ConfigError

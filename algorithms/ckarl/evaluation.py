@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from clients.rl.ppo import MLP, sample_actions
+from algorithms.ckarl.ppo import MLP, sample_actions
 from envs.rl_tasks import CartPoleTask, MAX_EPISODE_STEPS, make_vec_env
 from fedsim.seeding import derive_seed
 

@@ -1,14 +1,14 @@
 """One node's round, the server's step, and the whole stream run directly (centralised, no engine).
 
 * :func:`train_round` -- node ``partition`` in ``server_round``: task k = (round - 1) // rounds_per_task;
-  on the task's first round the method's :meth:`~clients.rl.agent.Method.begin_task`, then
+  on the task's first round the method's :meth:`~algorithms.ckarl.agent.Method.begin_task`, then
   ``iterations_per_round`` PPO iterations on the node's own instance of task k.  What the node must
   remember between rounds (its env, unfinished episodes, Adam moments) is a :class:`NodeState`,
   kept node-local by the learner (``ctx.state``); a node whose state belongs to another task (first
   round of a task, or a node not sampled for a while) starts a fresh env and optimiser.
 * :func:`server_update` -- what the ``ckarl`` strategy does after FedAvg: trainable keys from the
   average, every other key (theta_base, the pool, stored copies ...) from the server's own copy,
-  ``round`` set, and :meth:`~clients.rl.agent.Method.end_task` after a task's last round (CKA-RL's
+  ``round`` set, and :meth:`~algorithms.ckarl.agent.Method.end_task` after a task's last round (CKA-RL's
   pool push and Adaptive Knowledge Merging happen here, on the server).
 * :func:`run_stream` -- the same two steps in a plain loop for one node: the centralised run without
   Flower.  The engine with one client must give exactly this (tests/clients/test_rl_learner.py).
@@ -28,11 +28,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from clients.rl.agent import Method, PolicyAgent, StateDict
-from clients.rl.ckarl import CKARL, mixing_weights
-from clients.rl.config import RLParams, build_method
-from clients.rl.evaluation import evaluate_returns
-from clients.rl.ppo import RolloutState, anneal, collect, update
+from algorithms.ckarl.agent import Method, PolicyAgent, StateDict
+from algorithms.ckarl.ckarl import CKARL, mixing_weights
+from algorithms.ckarl.config import RLParams, build_method
+from algorithms.ckarl.evaluation import evaluate_returns
+from algorithms.ckarl.ppo import RolloutState, anneal, collect, update
 from envs.rl_tasks import CartPoleTask, client_task, env_state, make_vec_env, set_env_state
 from fedsim.cache import cache_dir, cached_state, key_of
 from fedsim.seeding import derive_seed

@@ -13,7 +13,7 @@
 
 The agent is anything with ``logits(obs)``, ``value(obs)``, ``parameters()`` (the trainable leaves,
 for the grad-norm clip) and ``snapshot()`` (a fixed copy to act with during a rollout), e.g.
-:class:`clients.rl.agent.PolicyAgent`.  All randomness (actions, minibatch order) comes from an
+:class:`algorithms.ckarl.agent.PolicyAgent`.  All randomness (actions, minibatch order) comes from an
 explicit ``torch.Generator``, so a node's round is a pure function of its inputs.  As in CleanRL,
 truncation at 500 steps counts as termination (no bootstrap).  Deviation: CleanRL samples actions
 with ``Categorical.sample`` and shuffles with NumPy's global generator; here inverse-CDF sampling

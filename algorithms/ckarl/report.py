@@ -37,7 +37,7 @@ from typing import Sequence
 import numpy as np
 from matplotlib.figure import Figure
 
-from clients.rl.evaluation import smooth, success_curve, tail_mean, training_curve
+from algorithms.ckarl.evaluation import smooth, success_curve, tail_mean, training_curve
 from envs.rl_tasks import MAX_EPISODE_STEPS
 from fedsim.metrics.continual import continual_report, normalized_forward_transfer_per_task
 

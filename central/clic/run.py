@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
-from central.base import CentralContext
+from fedsim.contracts.central import CentralContext
 from central.clic.batches import Sampler
 from central.clic.evaluate import EvalSet, build_eval_set, evaluate
 from central.clic.model import ModelSpec, TinyCLIP

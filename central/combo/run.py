@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from central.base import CentralContext
+from fedsim.contracts.central import CentralContext
 from central.combo.backbones import OBJECTIVES, BackboneRecipe, ConvNet, load_or_train
 from central.combo.features import FeatureBank, TaskFeatures
 from central.combo.head import HeadRecipe, predict, top_k, train_head

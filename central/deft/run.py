@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from central.base import CentralContext
+from fedsim.contracts.central import CentralContext
 from central.deft.data import Split, Tasks, few_shot, mnist_arrays, split_tasks, text_arrays
 from central.deft.layers import DEFT_INITS, AdapterSpec, max_rank, wrap_model
 from central.deft.models import (CNN_TARGETS, MINILM_TARGETS, PretrainRecipe, SmallCNN, accuracy, minilm_prefix_states,

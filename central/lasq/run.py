@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from central.base import CentralContext
+from fedsim.contracts.central import CentralContext
 from central.image.data import IMAGES
 from central.image.grid import image_grid
 from central.image.metrics import niqe, psnr, ssim

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from central.base import CentralContext
+from fedsim.contracts.central import CentralContext
 from central.lrqk.attend import Prefill, Replay, Shape, replay, run_prefill
 from central.lrqk.factor import INITS
 from central.lrqk.select import LRQKSelector, OracleSelector, QuestSelector, Selector, WindowSelector

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from central.base import CentralContext
+from fedsim.contracts.central import CentralContext
 from central.lm import tiny
 from central.lm.corpus import load_corpus, read_source
 from central.omnidraft.checks import chi_square, first_token_samples, greedy_identical

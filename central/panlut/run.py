@@ -30,7 +30,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from central.base import CentralContext
+from fedsim.contracts.central import CentralContext
 from central.image import IMAGES, ergas, image_grid, largest_image, psnr, sam, ssim
 from central.image.data import image_shape
 from central.panlut.baselines import PNN, brovey, gram_schmidt, pnn_ops_per_pixel, pnn_params

@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 from transformers import LlamaForCausalLM
 
-from central.base import CentralContext
+from fedsim.contracts.central import CentralContext
 from central.lm import tiny
 from central.paretoq.quant import (BIT_WIDTHS, TERNARY, ByteCount, bits_label, block_numel, block_weights,
                                    canonical_bits, model_bytes, quantize_model, relative_change)

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from central.base import CentralContext
+from fedsim.contracts.central import CentralContext
 from central.peft_meta import linear as L
 from fedsim.errors import ConfigError
 from fedsim.registry import CENTRAL

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from central.base import CentralContext
+from fedsim.contracts.central import CentralContext
 from central.pnn_ident.dimension import Verdict, blocks, counts_ok, expected_dim, kruskal, symmetry_dim, verdict
 from central.pnn_ident.jacobian import exact_rank, float_rank
 from central.pnn_ident.pnn import MAX_PRIME, Arch, ambient_dim, parse_widths

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from central.base import CentralContext
+from fedsim.contracts.central import CentralContext
 from central.spam_select import baselines as B
 from central.spam_select import selectors as S
 from central.spam_select.sequence import (PROFILES, Scenario, dyadic_grid, estimation_width, flat_width, make_theta,

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from central.base import CentralContext
+from fedsim.contracts.central import CentralContext
 from central.tensor_compress import ratio as R
 from central.tensor_compress.als import DT, cp_als_sigma, sigma_error, to_matrix, tucker2_als_sigma
 from central.tensor_compress.baselines import cp_frobenius, tucker2_frobenius

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from central.base import CentralContext
+from fedsim.contracts.central import CentralContext
 from central.watermark.experiment import (Detection, Streams, detection_curves, dirichlet_pool, entropy,
                                           lm_streams, plain_picker, pool_distortion, prompt_windows,
                                           scheme_picker, synthetic_streams)

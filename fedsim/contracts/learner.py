@@ -1,4 +1,4 @@
-"""The node-side learner contract.
+"""The node-side learner contract (the core's; plugins in ``clients/`` implement it).
 
 A :class:`Learner` is plain PyTorch: the engine wraps it into a Flower ``ClientApp``.  One learner
 object is built per process and per run (see :mod:`fedsim.engine.runtime`) and serves every node
@@ -31,7 +31,7 @@ from fedsim.config import ExperimentConfig
 from fedsim.seeding import derive_seed
 
 if TYPE_CHECKING:
-    from fedsim.engine.history import History
+    from fedsim.contracts.history import History
 
 StateDict = dict[str, torch.Tensor]
 
@@ -88,6 +88,25 @@ class Learner(ABC):
     @abstractmethod
     def evaluate(self, arrays: StateDict, ctx: NodeContext) -> EvalResult:
         """Client-side evaluation of ``arrays`` on the node's own test data."""
+
+    # -- optional capabilities (declared here; a learner overrides what it supports) --------------
+
+    def privacy_plan(self, partition_id: int) -> Any:
+        """Sample-level DP: this client's ``privacy.plan.ClientPrivacyPlan`` (noise multiplier, sampling
+        rate, steps per round), which the server's privacy ledger charges (called only when ``supports_dp`` and ``cfg.privacy.enabled``)."""
+        raise NotImplementedError(f"learner {type(self).__name__} has no sample-level privacy plan")
+
+    def cohort_refusal(self, ctxs: list[NodeContext], auto: bool) -> str | None:
+        """Why this cohort of clients cannot be trained together by :meth:`train_cohort` (None: it can).
+
+        ``auto`` (``engine.vectorise=auto``) also refuses cohorts where batching is exact but not faster.
+        """
+        return f"learner {type(self).__name__} does not train cohorts"
+
+    def train_cohort(self, arrays_list: list[StateDict], ctxs: list[NodeContext], chunk: int) -> list[TrainResult]:
+        """``[self.train(a, c) for a, c in zip(arrays_list, ctxs)]`` computed together, in chunks of at
+        most ``chunk`` clients (``engine.vectorise``); only called where :meth:`cohort_refusal` is None."""
+        raise NotImplementedError(self.cohort_refusal(ctxs, auto=False))
 
     def local_work(self, partition_id: int) -> float:
         """Units of local work (e.g. optimiser steps) a training round costs this node; the simulated

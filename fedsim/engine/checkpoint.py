@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, Context
 
-from fedsim.engine.history import RoundRecord
+from fedsim.contracts.history import RoundRecord
 from fedsim.errors import ConfigError
 
 META = "meta.json"

@@ -31,9 +31,10 @@ from flwr.serverapp import Grid
 
 from fedsim.engine import reaper
 from fedsim.engine.driver import error_reply
-from fedsim.engine.history import RoundObserver
+from fedsim.contracts.history import RoundObserver
 from fedsim.engine.runtime import RunSpec, bounded_wait, build_client_app, client_call_limit
 from fedsim.engine.server import ServerResult, run_server
+from fedsim.registry import ENGINES
 from fedsim.errors import ConfigError, RunFailedError
 from fedsim.logs import quiet_third_party
 from fedsim.run_lifecycle import signal_handlers_kept
@@ -122,6 +123,7 @@ def backend_config(spec: RunSpec) -> dict[str, Any]:
             "init_args": init_args}
 
 
+@ENGINES.register("flower", preflight=backend_config, summary="Flower's simulation runtime (Ray backend)")
 def run_flower(spec: RunSpec, observers: list[RoundObserver]) -> ServerResult:
     from flwr.app import Context
     from flwr.serverapp import ServerApp

@@ -33,10 +33,11 @@ from flwr.clientapp import ClientApp
 from flwr.common.constant import SUPERLINK_NODE_ID
 
 from fedsim.engine.driver import DriverGrid, call_client_app, error_reply, task_identity
-from fedsim.engine.history import RoundObserver
+from fedsim.contracts.history import RoundObserver
 from fedsim.engine.runtime import (ClientTimeout, RunSpec, build_client_app, call_with_deadline, client_call_limit,
                                    release_hangs)
 from fedsim.engine.server import ServerResult, run_server
+from fedsim.registry import ENGINES
 
 log = logging.getLogger("fedsim")
 
@@ -69,12 +70,12 @@ class InProcessGrid(DriverGrid):
         return [m.metadata.message_id for m in messages]
 
     def _train_cohort(self, messages: list[Message]) -> dict[str, Message]:
-        """Train messages answered together by :func:`clients.vectorised.train_cohort` (``engine.vectorise``).
+        """Train messages answered together by the learner's :meth:`~fedsim.contracts.learner.Learner.train_cohort`
+        (``engine.vectorise``).
 
         Clients with an injected fault, and every client when the cohort cannot be vectorised
         exactly (the reason is logged once) or the batched call raises, go the sequential way.
         """
-        from clients.vectorised import auto_vectorise, train_cohort, vectorise_unsupported
         from fedsim.engine.runtime import (ATTEMPT, _decoded, get_learner, injected_fault, node_context, torch_threads,
                                            train_reply)
 
@@ -93,7 +94,7 @@ class InProcessGrid(DriverGrid):
             return {}
         learner = get_learner(spec)
         auto = cfg.engine.vectorise == "auto"
-        reason = (auto_vectorise if auto else vectorise_unsupported)(learner, ctxs)
+        reason = learner.cohort_refusal(ctxs, auto)
         if reason is not None:
             if reason != self._vectorise_refused:
                 log.log(logging.DEBUG if auto else logging.WARNING,
@@ -102,8 +103,8 @@ class InProcessGrid(DriverGrid):
             return {}
         try:
             with torch_threads(cfg.engine.threads_per_client):
-                results = train_cohort(learner, [_decoded(m.content["arrays"]) for m in msgs], ctxs,
-                                       cfg.engine.vectorise_chunk)
+                results = learner.train_cohort([_decoded(m.content["arrays"]) for m in msgs], ctxs,
+                                               cfg.engine.vectorise_chunk)
         except Exception as exc:  # keep per-client failure semantics: redo them one by one
             log.warning("engine.vectorise: the batched round failed (%s); training clients one by one", exc)
             return {}
@@ -139,6 +140,8 @@ def server_identity(run_id: int) -> contextlib.AbstractContextManager[None]:
     return task_identity(run_id, SUPERLINK_NODE_ID)
 
 
+@ENGINES.register("local", checkpointing=True,
+                  summary="an in-process Flower Grid: no SuperLink, no Ray, no serialisation")
 def run_local(spec: RunSpec, observers: list[RoundObserver], **server_kwargs) -> ServerResult:
     grid = InProcessGrid(build_client_app(spec), spec.cfg.num_clients, client_timeout=client_call_limit(spec.cfg),
                          vectorise_spec=spec if spec.cfg.engine.vectorise is not False else None)

@@ -66,10 +66,11 @@ from flwr.common.constant import SUPERLINK_NODE_ID
 from fedsim import config as C
 from fedsim.engine import reaper
 from fedsim.engine.driver import DriverGrid, call_client_app, error_reply, task_identity
-from fedsim.engine.history import RoundObserver
+from fedsim.contracts.history import RoundObserver
 from fedsim.engine.runtime import RunSpec, build_client_app, client_call_limit, warm_learner
 from fedsim.run_lifecycle import signal_handlers_kept
 from fedsim.engine.server import ServerResult, run_server
+from fedsim.registry import ENGINES
 from fedsim.errors import ConfigError, RunFailedError
 from fedsim.logs import quiet_third_party
 
@@ -498,6 +499,8 @@ def _init_ray(cfg: C.ExperimentConfig) -> bool:
     return True
 
 
+@ENGINES.register("ray", checkpointing=True, preflight=check_ray_resources,
+                  summary="fedsim's pool of long-lived Ray actors")
 def run_ray(spec: RunSpec, observers: list[RoundObserver], **server_kwargs: Any) -> ServerResult:
     """Run the server loop over a :class:`RayActorGrid`; actors (and a Ray we started) end with it.
 

@@ -25,12 +25,7 @@ from fedsim.threads import torch_threads  # noqa: F401  (re-exported: engines im
 from fedsim.registry import LEARNERS
 from fedsim.seeding import derive_seed
 
-#: Key in train/evaluate replies that FedAvg-style strategies weight by.
-NUM_EXAMPLES = "num-examples"
-#: Key every train reply carries with value 1, for strategies that must average uniformly.
-UNIT_WEIGHT = "unit-weight"
-#: Key a node answers the engine's query with (used to order nodes canonically).
-PARTITION_ID = "partition-id"
+from fedsim.contracts.wire import NUM_EXAMPLES, PARTITION_ID, UNIT_WEIGHT  # noqa: F401  (engines import them from here)
 
 
 class SimulatedClientFailure(RuntimeError):
@@ -209,7 +204,7 @@ def check_learner(cfg: C.ExperimentConfig) -> None:
 
 
 def node_context(msg: Message, context: Context, cfg: C.ExperimentConfig):  # -> clients.NodeContext
-    from clients.base import NodeContext  # the contract module, not a concrete learner
+    from fedsim.contracts.learner import NodeContext  # the contract module, not a concrete learner
 
     config = dict(msg.content["config"]) if "config" in msg.content else {}
     return NodeContext(
@@ -292,7 +287,7 @@ def _decoded(record: ArrayRecord) -> dict[str, torch.Tensor]:
 
 
 def train_reply(msg: Message, result: Any) -> Message:
-    """The reply of a ``train`` message from a learner's :class:`~clients.base.TrainResult`."""
+    """The reply of a ``train`` message from a learner's :class:`~fedsim.contracts.learner.TrainResult`."""
     metrics = MetricRecord({**result.metrics, NUM_EXAMPLES: result.num_examples, UNIT_WEIGHT: 1})
     return Message(RecordDict({"arrays": resident_record(result.arrays), "metrics": metrics}), reply_to=msg)
 

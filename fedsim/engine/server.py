@@ -27,7 +27,7 @@ from flwr.serverapp import Grid
 
 from fedsim.engine import checkpoint as ckpt
 from fedsim.engine.grid import MonitoredGrid, finite_array
-from fedsim.engine.history import RoundObserver, RoundRecord
+from fedsim.contracts.history import RoundObserver, RoundRecord
 from fedsim.engine.runtime import RunSpec, get_learner, torch_threads
 from fedsim.engine.system import SystemModel
 from fedsim.errors import ConfigError, RunFailedError
@@ -45,7 +45,7 @@ class ServerResult:
 
 def build_strategy(spec: RunSpec) -> Any:
     """The registered strategy of this run (a Flower ``Strategy``)."""
-    from strategies.base import (
+    from fedsim.contracts.strategy import (
         StrategyContext,  # contract type, not a concrete strategy
     )
 
@@ -62,7 +62,7 @@ def build_strategy(spec: RunSpec) -> Any:
 
 def required_results(spec: RunSpec) -> int:
     """Fewest training replies a round may have before the run fails."""
-    from strategies.base import StrategyContext
+    from fedsim.contracts.strategy import StrategyContext
 
     cfg = spec.cfg
     sample = StrategyContext(cfg, cfg.num_clients).train_sample_size

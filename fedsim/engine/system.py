@@ -3,7 +3,7 @@
 Real federations have slow devices and devices that vanish.  With ``engine.system.enabled`` every
 client gets a fixed, seeded speed factor ``s_k ~ LogNormal(0, speed_sigma)`` (median 1), and a round
 of local work takes ``work_k * seconds_per_step / s_k + latency_s`` *simulated* seconds, where
-``work_k`` is the learner's :meth:`~clients.base.Learner.local_work` (its local optimiser steps).
+``work_k`` is the learner's :meth:`~fedsim.contracts.learner.Learner.local_work` (its local optimiser steps).
 Each sampled client is unavailable in a round with probability ``dropout`` (a seeded draw per round
 and client).  With ``deadline_s`` set, replies that would arrive after the deadline are stragglers:
 the strategy never sees them, and since the outcome is known before training they are not computed

@@ -1,10 +1,34 @@
 """Model zoo: small reference models, registered under :data:`fedsim.registry.MODELS`.
 
 A model builder has the signature ``builder(params, input_shape, num_classes) -> nn.Module``.
-Importing this package registers ``mlp``, ``cnn``, ``minilm_lora`` and ``hf_lora`` (the transformer library is
-only imported when one of the last two is built).
+Each model module registers its models when imported (:data:`fedsim.plugins.BUILTINS` says which);
+importing this package imports only :mod:`fedsim.models.vision` (for :func:`build_model`).  The
+MiniLM / Hugging Face LoRA classes are imported from their modules on first use, and the transformer
+library only when one of those models is built.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from fedsim.models.vision import CNNParams, MLPParams, SmallCNN, build_model  # noqa: F401
-from fedsim.models.minilm import LoRALinear, MiniLMLoRAClassifier, MiniLMLoRAParams  # noqa: F401
-from fedsim.models.hf_lora import HFLoRAClassifier, HFLoRAParams  # noqa: F401,E402 (registers "hf_lora")
+
+_LAZY: dict[str, str] = {
+    "LoRALinear": "fedsim.models.minilm",
+    "MiniLMLoRAClassifier": "fedsim.models.minilm",
+    "MiniLMLoRAParams": "fedsim.models.minilm",
+    "HFLoRAClassifier": "fedsim.models.hf_lora",
+    "HFLoRAParams": "fedsim.models.hf_lora",
+}
+
+__all__ = ["CNNParams", "MLPParams", "SmallCNN", "build_model", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    """Import a LoRA model class from its module on first use (PEP 562)."""
+    if name not in _LAZY:
+        raise AttributeError(f"module 'fedsim.models' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value

@@ -1,4 +1,4 @@
-"""FedPhoenix's filter reset (clients/transforms.py): exactly the planned filters of exactly the
+"""FedPhoenix's filter reset (algorithms/fedphoenix.py, applied through fedsim.contracts.transforms): exactly the planned filters of exactly the
 scheduled layers change, drawn as the authors draw them, reproducibly from a seed."""
 
 from __future__ import annotations
@@ -7,17 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from clients.transforms import (
-    PHOENIX,
-    PHOENIX_RESET_ROUNDS,
-    PHOENIX_SEED,
-    PHOENIX_THETA,
-    TRANSFORM_KEY,
-    apply_transforms,
-    conv_layers,
-    layer_is_reset,
-    phoenix_reset,
-)
+from algorithms.fedphoenix import conv_layers, layer_is_reset, phoenix_reset
+from fedsim.contracts.transforms import apply_transforms
+from fedsim.contracts.wire import PHOENIX, PHOENIX_RESET_ROUNDS, PHOENIX_SEED, PHOENIX_THETA, TRANSFORM_KEY
 
 
 def net() -> nn.Module:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from central.base import run_central
+from fedsim.central_runner import run_central
 from central.clic.batches import Sampler, stack_pair
 from central.clic.losses import clic_loss, clip_loss, negclip_loss
 from central.clic.model import ModelSpec, build

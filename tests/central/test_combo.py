@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from central.base import run_central
+from fedsim.central_runner import run_central
 from central.combo.backbones import (BackboneRecipe, ConvNet, _objective_head, load_or_train, rotate_batch,
                                      token_features, token_grid)
 from central.combo.features import FeatureBank, standardise

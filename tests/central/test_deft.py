@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from central.base import run_central
+from fedsim.central_runner import run_central
 from central.deft.layers import (AdapterSpec, DeftLayer, LoraLayer, ParaLayer, as_matrix, make_adapter,
                                  nominal_parameters, orthonormal_basis, wrap_model)
 from central.deft.models import SmallCNN

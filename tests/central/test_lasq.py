@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from central.base import run_central
+from fedsim.central_runner import run_central
 from central.lasq.diffusion import (DiffusionConfig, LasqDiffusion, alpha_bars, antithetic_timesteps,
                                     level_of_timestep, linear_betas, q_sample, to_signed)
 from central.lasq.gamma import (ChainTrace, GammaConfig, base_luminance, gamma_energy, initial_gamma,

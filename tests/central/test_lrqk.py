@@ -251,7 +251,7 @@ def test_bad_params_raise_config_error(changes, message) -> None:
 
 def test_defaults_pass_the_check_and_a_bad_file_is_a_config_error(tmp_path) -> None:
     check(LRQKParams())
-    from central.base import run_central
+    from fedsim.central_runner import run_central
     from fedsim import config as C
 
     path = tmp_path / "x.yaml"
@@ -267,7 +267,7 @@ def test_defaults_pass_the_check_and_a_bad_file_is_a_config_error(tmp_path) -> N
 # -- end to end -----------------------------------------------------------------------------------
 
 def test_run_end_to_end_on_the_test_lm_is_seeded_and_consistent(tmp_path) -> None:
-    from central.base import run_central
+    from fedsim.central_runner import run_central
     from fedsim import config as C
 
     path = tmp_path / "e2e.yaml"

@@ -309,7 +309,7 @@ def _yaml(tmp_path) -> str:
 
 
 def test_run_is_seeded_and_logs_tables_and_plots(tmp_path) -> None:
-    from central.base import run_central
+    from fedsim.central_runner import run_central
 
     def once(seed: int):
         cfg = C.load_central_config(_yaml(tmp_path), seed=seed)

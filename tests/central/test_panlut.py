@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from central.base import method_params, run_central
+from fedsim.central_runner import method_params, run_central
 from central.image import downsample, sam
 from central.image.degrade import default_sigma
 from central.panlut.baselines import PNN, brovey, gram_schmidt, pnn_params

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from central.base import run_central
+from fedsim.central_runner import run_central
 from central.lm import tiny
 from central.paretoq import quant as Q
 from central.paretoq import run as R
@@ -227,7 +227,7 @@ def test_bad_params_are_one_line_config_errors(override, message) -> None:
 
 
 def test_claim_spec_grids_the_qat_fraction_over_valid_configs() -> None:
-    from central.base import method_params
+    from fedsim.central_runner import method_params
     from fedsim import reproduce
 
     spec = reproduce.load_claim("paretoq")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from central.base import method_params, run_central
+from fedsim.central_runner import method_params, run_central
 from central.peft_meta import linear as L
 from central.peft_meta import run as R
 from fedsim import config as C

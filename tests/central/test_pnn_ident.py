@@ -7,7 +7,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from central.base import method_params, run_central
+from fedsim.central_runner import method_params, run_central
 from central.pnn_ident import run as R
 from central.pnn_ident.dimension import blocks, expected_dim, kruskal, kruskal_block, upper_bound, verdict
 from central.pnn_ident.jacobian import (DEFAULT_PRIME, coefficient_jacobian_rank, exact_rank, float_rank, forward_mode,

@@ -197,7 +197,7 @@ TINY = ("method: spam_select\ndescription: tiny\nseed: 0\nparams:\n  scenarios: 
 
 
 def test_same_seed_same_metrics_through_run_central(tmp_path) -> None:
-    from central.base import run_central
+    from fedsim.central_runner import run_central
     from fedsim import config as C
 
     path = tmp_path / "tiny.yaml"
@@ -240,7 +240,7 @@ def test_bad_params_raise_one_line_config_errors(changes, message) -> None:
 
 
 def test_bad_params_stop_run_central_before_anything_runs(tmp_path) -> None:
-    from central.base import run_central
+    from fedsim.central_runner import run_central
     from fedsim import config as C
 
     path = tmp_path / "bad.yaml"

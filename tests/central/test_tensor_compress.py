@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from central.base import method_params, run_central
+from fedsim.central_runner import method_params, run_central
 from central.tensor_compress import als
 from central.tensor_compress import ratio as R
 from central.tensor_compress import run as RUN

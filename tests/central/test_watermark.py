@@ -8,7 +8,7 @@ import numpy as np
 import ot
 import pytest
 
-from central.base import run_central
+from fedsim.central_runner import run_central
 from central.watermark.experiment import (Streams, detection_curves, dirichlet_pool, empirical_threshold, entropy,
                                           score_streams, synthetic_streams)
 from central.watermark.method import WatermarkParams, check

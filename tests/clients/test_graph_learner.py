@@ -12,7 +12,7 @@ from mlflow import MlflowClient
 from clients.graph_learner import PROTO_COUNT, PROTO_SUM, GraphDALearner
 from fedsim import config as C
 from fedsim.cli import main
-from fedsim.engine.history import History, RoundRecord
+from fedsim.contracts.history import History, RoundRecord
 from fedsim.engine.runtime import RunSpec, get_learner
 from fedsim.errors import ConfigError
 from fedsim.runner import run_experiment
@@ -83,7 +83,7 @@ def test_federated_prototypes_are_the_exact_pooled_class_means() -> None:
     learner: GraphDALearner = get_learner(RunSpec.from_config(cfg))
     learner.preflight()
     arrays = learner.init_arrays()
-    from clients.base import NodeContext
+    from fedsim.contracts.learner import NodeContext
 
     replies = [learner.train(arrays, NodeContext(pid, 3, 1, cfg.seed)) for pid in range(3)]
     assert replies[2].num_examples == 0 and float(replies[2].arrays[PROTO_COUNT].abs().sum()) == 0.0

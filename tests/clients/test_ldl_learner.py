@@ -7,7 +7,7 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from clients.base import NodeContext
+from fedsim.contracts.learner import NodeContext
 from clients.ldl_learner import LDLLearner
 from fedsim import config as C
 from fedsim.cli import main

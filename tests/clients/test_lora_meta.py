@@ -7,7 +7,7 @@ import pytest
 import torch
 from flwr.app import RecordDict
 
-from clients.base import NodeContext
+from fedsim.contracts.learner import NodeContext
 from clients.lora_meta import STATE_KEY, LoraMetaLearner
 from clients.lora_meta_model import LoraMixer, MultiLoraLinear, build
 from fedsim import config as C

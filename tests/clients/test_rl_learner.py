@@ -8,8 +8,8 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from clients.rl.config import build_method
-from clients.rl.node import node_task, run_stream
+from algorithms.ckarl.config import build_method
+from algorithms.ckarl.node import node_task, run_stream
 from clients.rl_learner import RLLearner
 from fedsim import config as C
 from fedsim.cli import main

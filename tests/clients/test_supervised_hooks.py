@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from clients.base import NodeContext
-from clients.supervised import PROXIMAL_MU, SupervisedLearner, SupervisedParams, proximal_term
-from clients.transforms import PHOENIX, PHOENIX_RESET_ROUNDS, PHOENIX_SEED, PHOENIX_THETA, TRANSFORM_KEY
+from fedsim.contracts.learner import NodeContext
+from fedsim.contracts.wire import PROXIMAL_MU
+from clients.supervised import SupervisedLearner, SupervisedParams, proximal_term
+from fedsim.contracts.wire import PHOENIX, PHOENIX_RESET_ROUNDS, PHOENIX_SEED, PHOENIX_THETA, TRANSFORM_KEY
 from fedsim import config as C
 
 

@@ -7,9 +7,10 @@ import itertools
 import pytest
 import torch
 
-from clients.base import NodeContext, StateDict, TrainResult
-from clients.supervised import PROXIMAL_MU, SupervisedLearner, SupervisedParams, iterate_batches
-from clients.transforms import PHOENIX, PHOENIX_RESET_ROUNDS, PHOENIX_SEED, PHOENIX_THETA, TRANSFORM_KEY
+from fedsim.contracts.learner import NodeContext, StateDict, TrainResult
+from fedsim.contracts.wire import PROXIMAL_MU
+from clients.supervised import SupervisedLearner, SupervisedParams, iterate_batches
+from fedsim.contracts.wire import PHOENIX, PHOENIX_RESET_ROUNDS, PHOENIX_SEED, PHOENIX_THETA, TRANSFORM_KEY
 import clients.vectorised as vectorised
 from clients.vectorised import auto_vectorise, batch_schedule, train_cohort, vectorise_unsupported
 from fedsim import config as C

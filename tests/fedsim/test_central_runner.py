@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import pytest
 from mlflow import MlflowClient
 
-from central.base import CentralContext, run_central
+from fedsim.contracts.central import CentralContext
+from fedsim.central_runner import run_central
 from fedsim import config as C
 from fedsim.cli import main
 from fedsim.registry import CENTRAL

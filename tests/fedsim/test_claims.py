@@ -13,7 +13,7 @@ from scipy import stats
 
 from fedsim import claims as V
 from fedsim.cli import main
-from fedsim.engine.history import History, RoundRecord
+from fedsim.contracts.history import History, RoundRecord
 from fedsim.errors import ConfigError
 
 

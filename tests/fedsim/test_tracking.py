@@ -235,7 +235,7 @@ def test_a_failing_tracked_run_leaves_no_temp_files(in_tmp, fresh_tmpdir, tracki
 
 @pytest.mark.parametrize("tracked", [True, False], ids=["tracked", "untracked"])
 def test_a_centralised_run_leaves_no_temp_files(tracked, in_tmp, fresh_tmpdir, tracking_uri) -> None:
-    from central.base import run_central
+    from fedsim.central_runner import run_central
     from fedsim import config as C
 
     _register_table_method()
@@ -249,7 +249,7 @@ def test_a_centralised_run_leaves_no_temp_files(tracked, in_tmp, fresh_tmpdir, t
 
 
 def _register_table_method() -> None:
-    from central.base import CentralContext
+    from fedsim.contracts.central import CentralContext
     from fedsim.registry import CENTRAL
 
     if "_tables_to_log" in CENTRAL.names():

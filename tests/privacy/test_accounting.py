@@ -7,7 +7,7 @@ import math
 import pytest
 from opacus.accountants import PRVAccountant, RDPAccountant
 
-from fedsim.engine.history import RoundRecord
+from fedsim.contracts.history import RoundRecord
 from fedsim.errors import ConfigError
 from privacy.accounting import calibrate_noise, epsilon_for, poisson_sample_rate
 from privacy.ledger import NOISE, SAMPLE_RATE, STEPS, PrivacyLedger

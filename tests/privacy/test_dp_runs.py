@@ -56,7 +56,7 @@ def test_dp_runs_are_reproducible_and_noisier_than_plain() -> None:
 def test_budget_exhausted_client_refuses_to_train() -> None:
     from flwr.app import MetricRecord, RecordDict
 
-    from clients.base import NodeContext
+    from fedsim.contracts.learner import NodeContext
     from clients.supervised import DP_STATE, PrivacyBudgetExhausted
 
     cfg = cfg_of("fedavg", *DIGITS, "privacy.enabled=true", "privacy.epsilon=2.0", rounds=2, clients=2)

@@ -10,7 +10,8 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord
 
-from clients.transforms import PHOENIX, PHOENIX_SEED, TRANSFORM_KEY, apply_transforms
+from fedsim.contracts.wire import PHOENIX, PHOENIX_SEED, TRANSFORM_KEY
+from fedsim.contracts.transforms import apply_transforms
 from fedsim import config as C
 from fedsim.engine.local import InProcessGrid, server_identity
 from fedsim.engine.runtime import RunSpec, build_client_app, get_learner

@@ -10,7 +10,7 @@ from flwr.app import ArrayRecord, MetricRecord, RecordDict
 
 from fedsim import config as C
 from fedsim.errors import ConfigError
-from strategies.base import StrategyContext
+from fedsim.contracts.strategy import StrategyContext
 from strategies.lora import (A_SUFFIX, B_SUFFIX, BASE_SUFFIX, FedExLoRA, FedSVD, FedSVDParams, FLoRA, build_fedsvd,
                              lora_prefixes)
 

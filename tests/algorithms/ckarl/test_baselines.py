@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from clients.rl.agent import Layout
-from clients.rl.baselines import FineTune, FineTuneN, Scratch
-from clients.rl.evaluation import success_curve, tail_mean, training_curve
-from clients.rl.report import RunCurves, curve_metrics
+from algorithms.ckarl.agent import Layout
+from algorithms.ckarl.baselines import FineTune, FineTuneN, Scratch
+from algorithms.ckarl.evaluation import success_curve, tail_mean, training_curve
+from algorithms.ckarl.report import RunCurves, curve_metrics
 
 LAYOUT = Layout(obs_dim=4, n_actions=2, hidden=8, num_tasks=3)
 

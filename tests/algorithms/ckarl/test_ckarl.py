@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from clients.rl.agent import Layout
-from clients.rl.ckarl import CKARL, CKARLConfig, fused_params, merge_slots, mixing_weights, most_similar_pair
+from algorithms.ckarl.agent import Layout
+from algorithms.ckarl.ckarl import CKARL, CKARLConfig, fused_params, merge_slots, mixing_weights, most_similar_pair
 from fedsim.errors import ConfigError
 
 LAYOUT = Layout(obs_dim=4, n_actions=2, hidden=8, num_tasks=6)

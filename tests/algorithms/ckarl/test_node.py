@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from clients.rl.config import RLParams, build_method
-from clients.rl.node import server_update
+from algorithms.ckarl.config import RLParams, build_method
+from algorithms.ckarl.node import server_update
 
 
 def test_server_keeps_global_keys_and_pushes_at_task_end() -> None:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from clients.rl.ppo import MLP, PPOConfig, gae, ppo_loss, sample_actions
+from algorithms.ckarl.ppo import MLP, PPOConfig, gae, ppo_loss, sample_actions
 
 
 def test_ppo_loss_matches_a_hand_computation() -> None:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fedsim.engine import checkpoint as ckpt
-from fedsim.engine.history import RoundRecord
+from fedsim.contracts.history import RoundRecord
 from fedsim.errors import ConfigError
 
 

@@ -143,7 +143,7 @@ def test_dead_and_hung_actors_become_error_replies_and_are_replaced(local_ray) -
     from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
     from flwr.common.constant import SUPERLINK_NODE_ID
 
-    from fedsim.engine.history import History
+    from fedsim.contracts.history import History
     from fedsim.engine.server import run_server
 
     seed, hung = _seed_with_one_hang(0.25)
