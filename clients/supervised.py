@@ -15,7 +15,8 @@ With ``privacy.enabled`` local training is Opacus DP-SGD (:mod:`privacy.dp_sgd`)
 own calibrated σ (:mod:`privacy.plan`); the reply carries the steps, rate and σ for the server's
 privacy ledger, and a client whose next round would exceed its budget refuses to train (a counted
 client failure, logged with the reason).  DP-SGD clips per-sample gradients of the cross-entropy
-only, so FedProx's proximal term (not a per-sample loss) is rejected under DP.
+only; under DP, FedProx's proximal gradient (which depends on no example) is added to the
+privatised gradient before each step (DP-FedProx, :meth:`SupervisedLearner._proximal_after_noise`).
 
 Two hooks let server-side algorithms shape local training through the round config alone:
 
@@ -31,7 +32,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from flwr.app import MetricRecord
@@ -215,9 +216,6 @@ class SupervisedLearner(Learner):
     def preflight(self) -> None:
         if not self.sample_level_dp:
             return
-        if self.cfg.strategy.name == "fedprox":
-            raise ConfigError("fedprox's proximal term is not a per-sample loss, so DP-SGD cannot clip it; "
-                              "drop --eps or use another strategy")
         for pid in range(self.cfg.num_clients):
             self.privacy_plan(pid)
 
@@ -233,12 +231,32 @@ class SupervisedLearner(Learner):
                                          f"would reach ε={eps_next:.3f} > {p.epsilon}")
         result = private_local_training(model, optimizer, x, y, privacy=p, batch_size=self.cfg.client.batch_size,
                                         steps=plan.steps_per_round, noise_multiplier=plan.noise_multiplier,
-                                        batch_seed=ctx.seed("dp-batches"), noise_seed=ctx.seed("dp-noise"))
+                                        batch_seed=ctx.seed("dp-batches"), noise_seed=ctx.seed("dp-noise"),
+                                        after_noise=self._proximal_after_noise(model, ctx))
         ctx.state[DP_STATE] = MetricRecord({"steps": spent + result.steps})
         eps = epsilon_for(plan.noise_multiplier, plan.accounting_rate, spent + result.steps, p.delta, p.accountant)
         metrics = {STEPS: float(result.steps), SAMPLE_RATE: plan.accounting_rate, NOISE: plan.noise_multiplier,
                    CLIENT_EPSILON: eps}
         return result.mean_loss, result.steps, metrics
+
+    def _proximal_after_noise(self, model: nn.Module, ctx: NodeContext) -> Callable[[], None] | None:
+        """DP-FedProx: FedProx's proximal gradient ``mu (w - w_global)`` added to the privatised gradient.
+
+        It depends on no example, so adding it after clipping and noising is post-processing: the
+        ledger is unchanged, and it is not clipped with the data's gradients (as it would be in the loss).
+        """
+        if self._anchor is None:
+            return None
+        mu = float(ctx.config[PROXIMAL_MU])
+        params = [p for p in model.parameters() if p.requires_grad]
+
+        @torch.no_grad()
+        def add_proximal_gradient() -> None:
+            for p, w0 in zip(params, self._anchor or []):
+                if p.grad is not None:
+                    p.grad.add_(p - w0, alpha=mu)
+
+        return add_proximal_gradient
 
     # -- Learner API --------------------------------------------------------------------------
     def init_arrays(self) -> StateDict:

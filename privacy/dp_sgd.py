@@ -7,6 +7,12 @@ probability ``q``), per-sample gradient clipping at ``max_grad_norm`` and Gaussi
 steps, as the FedSVD authors' ``dp_train`` does.  Batch sampling and noise use generators seeded
 from the run's root seed, so runs are reproducible (``secure_mode`` is off: this is a simulator).
 
+The loss is the caller's (``criterion``, any mean-reduced per-example loss module; cross-entropy by
+default).  ``after_noise`` adds a *data-independent* term to the privatised gradient just before
+each logical step (after clipping and noising, so it costs no privacy: post-processing), which is
+how DP-FedProx adds FedProx's proximal gradient ``mu (w - w_global)`` (it is not a per-example
+loss and must not be clipped with the data's gradients).
+
 The learner's model stays resident: the Opacus wrapper is removed after the round (hooks and
 ``grad_sample`` buffers are cleaned up), so the next round starts from a plain module.
 """
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 from opacus import PrivacyEngine
@@ -44,18 +51,39 @@ def private_local_training(
     noise_multiplier: float,
     batch_seed: int,
     noise_seed: int,
+    criterion: Optional[nn.Module] = None,
+    after_noise: Optional[Callable[[], None]] = None,
 ) -> DPRoundResult:
-    """Run ``steps`` DP-SGD steps of cross-entropy training on (x, y); the model is left unwrapped."""
+    """Run ``steps`` DP-SGD steps minimising ``criterion`` (default cross-entropy) on (x, y); the model
+    is left unwrapped.  ``after_noise`` edits the parameters' privatised ``.grad`` before each step."""
     with warnings.catch_warnings():
         # Opacus' known notices: "Secure RNG turned off" (intended: seeded simulation) and the
         # full-backward-hook notice for frozen inputs.
         warnings.simplefilter("ignore", UserWarning)
-        return _run(model, optimizer, x, y, privacy, batch_size, steps, noise_multiplier, batch_seed, noise_seed)
+        if after_noise is not None:
+            _run_before_step(optimizer, after_noise)
+        try:
+            return _run(model, optimizer, x, y, privacy, batch_size, steps, noise_multiplier, batch_seed, noise_seed,
+                        criterion if criterion is not None else nn.CrossEntropyLoss())
+        finally:
+            optimizer.__dict__.pop("step", None)  # the plain optimizer again
+
+
+def _run_before_step(optimizer: torch.optim.Optimizer, hook: Callable[[], None]) -> None:
+    """Make ``optimizer.step`` call ``hook`` first.  Opacus' DPOptimizer calls its wrapped optimizer's
+    ``step`` only for a logical step, after clipping and noising: so ``hook`` sees the noised gradient."""
+    step = optimizer.step
+
+    def step_after_hook(*args, **kwargs):  # type: ignore[no-untyped-def]
+        hook()
+        return step(*args, **kwargs)
+
+    optimizer.step = step_after_hook  # type: ignore[method-assign]
 
 
 def _run(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
          privacy: PrivacyConfig, batch_size: int, steps: int, noise_multiplier: float, batch_seed: int,
-         noise_seed: int) -> DPRoundResult:
+         noise_seed: int, loss_module: nn.Module) -> DPRoundResult:
     loader = DataLoader(TensorDataset(x, y), batch_size=batch_size,
                         generator=torch.Generator().manual_seed(batch_seed))
     engine = PrivacyEngine(accountant=privacy.accountant, secure_mode=False)
@@ -64,10 +92,10 @@ def _run(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y:
                   grad_sample_mode=privacy.grad_sample_mode,
                   noise_generator=torch.Generator().manual_seed(noise_seed))
     if privacy.grad_sample_mode == "ghost":
-        module, dp_opt, criterion, dp_loader = engine.make_private(criterion=nn.CrossEntropyLoss(), **kwargs)
+        module, dp_opt, criterion, dp_loader = engine.make_private(criterion=loss_module, **kwargs)
     else:
         module, dp_opt, dp_loader = engine.make_private(**kwargs)
-        criterion = nn.CrossEntropyLoss()
+        criterion = loss_module
     taken, loss_sum, seen = 0, 0.0, 0
     try:
         module.train()
