@@ -13,7 +13,7 @@ The optional sections of ``experiments/reproduce/<name>.yaml`` (see :mod:`fedsim
       positive:                             # comparisons whose outcome is known; one failing -> invalid
         - {better: {strategy.name: ffa_lora}, worse: {strategy.name: fedavg_lora}, at: {eps: 1}}
       floor: {value: 0.1, source: "chance, 10 classes"}        # or {setting: {...}} / {overrides: [...]}
-      ceiling: {value: 0.68, source: "centralised non-private probe, README"}
+      ceiling: {value: 0.68, source: "centralised non-private probe, issue #24"}
     tune:                                   # per-method grid, selected on a validation metric
       by: strategy.name
       grid: {client.lr: [0.1, 0.5, 1.0]}
