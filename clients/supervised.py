@@ -35,10 +35,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
-from flwr.app import MetricRecord
 from torch import nn
 
 from fedsim.contracts.learner import EvalResult, Learner, NodeContext, StateDict, TrainResult
+from fedsim.contracts.learner import local_steps as num_local_steps
 from fedsim.contracts.transforms import apply_transforms
 from fedsim.contracts.wire import LORA_TRAIN_A, LORA_TRAIN_B, PROXIMAL_MU
 from envs.federated import FederatedData, load_federated_data_cached
@@ -48,20 +48,10 @@ from fedsim.errors import ConfigError
 from fedsim.models import build_model
 from fedsim.registry import LEARNERS
 from fedsim.seeding import derive_seed, seed_torch
-from privacy.accounting import epsilon_for
-from privacy.dp_sgd import private_local_training
-from privacy.ledger import CLIENT_EPSILON, NOISE, SAMPLE_RATE, STEPS
-from privacy.plan import ClientPrivacyPlan, plan_client
+from privacy.facade import DP_STATE, PrivacyBudgetExhausted, PrivateTrainer  # noqa: F401  (re-exported)
+from privacy.plan import ClientPrivacyPlan
 
 log = logging.getLogger("fedsim")
-
-#: Per-node state record of the DP steps this client has spent.
-DP_STATE = "dp-spent"
-
-
-class PrivacyBudgetExhausted(RuntimeError):
-    """The client's next round would take its ε past the target: it does not train."""
-
 
 @dataclass
 class SupervisedParams:
@@ -108,12 +98,6 @@ def iterate_batches(n: int, batch_size: int, generator: torch.Generator) -> Iter
             yield perm[start : start + batch_size]
 
 
-def num_local_steps(n: int, cfg: ExperimentConfig) -> int:
-    if cfg.client.local_steps is not None:
-        return cfg.client.local_steps
-    return cfg.client.local_epochs * -(-n // cfg.client.batch_size)
-
-
 @torch.no_grad()
 def evaluate_model(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int) -> dict[str, float]:
     """Mean cross-entropy and accuracy of ``model`` on (x, y)."""
@@ -140,7 +124,7 @@ class SupervisedLearner(Learner):
         self._data: FederatedData | None = None
         self._model: nn.Module | None = None
         self._anchor: list[torch.Tensor] | None = None  # w_global for the proximal term
-        self._plans: dict[int, ClientPrivacyPlan] = {}
+        self.dp = PrivateTrainer(cfg)  # sample-level DP-SGD (privacy/facade.py)
 
     # -- resident state ---------------------------------------------------------------------
     @property
@@ -188,10 +172,7 @@ class SupervisedLearner(Learner):
 
     # -- privacy --------------------------------------------------------------------------------
     def privacy_plan(self, partition_id: int) -> ClientPrivacyPlan:
-        if partition_id not in self._plans:
-            n = len(self.data.client_train(partition_id).y)
-            self._plans[partition_id] = plan_client(partition_id, n, self.cfg)
-        return self._plans[partition_id]
+        return self.dp.plan(partition_id, len(self.data.client_train(partition_id).y))
 
     @property
     def sample_level_dp(self) -> bool:
@@ -221,23 +202,9 @@ class SupervisedLearner(Learner):
 
     def _train_private(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, ctx: NodeContext,
                        optimizer: torch.optim.Optimizer) -> tuple[float, int, dict[str, float]]:
-        p = self.cfg.privacy
-        plan = self.privacy_plan(ctx.partition_id)
-        spent = int(ctx.state[DP_STATE]["steps"]) if DP_STATE in ctx.state else 0
-        eps_next = epsilon_for(plan.noise_multiplier, plan.accounting_rate, spent + plan.steps_per_round,
-                               p.delta, p.accountant)
-        if p.epsilon is not None and not p.amplify_client_sampling and eps_next > p.epsilon * (1 + 1e-9):
-            raise PrivacyBudgetExhausted(f"client {ctx.partition_id} privacy budget exhausted: another round "
-                                         f"would reach ε={eps_next:.3f} > {p.epsilon}")
-        result = private_local_training(model, optimizer, x, y, privacy=p, batch_size=self.cfg.client.batch_size,
-                                        steps=plan.steps_per_round, noise_multiplier=plan.noise_multiplier,
-                                        batch_seed=ctx.seed("dp-batches"), noise_seed=ctx.seed("dp-noise"),
-                                        after_noise=self._proximal_after_noise(model, ctx))
-        ctx.state[DP_STATE] = MetricRecord({"steps": spent + result.steps})
-        eps = epsilon_for(plan.noise_multiplier, plan.accounting_rate, spent + result.steps, p.delta, p.accountant)
-        metrics = {STEPS: float(result.steps), SAMPLE_RATE: plan.accounting_rate, NOISE: plan.noise_multiplier,
-                   CLIENT_EPSILON: eps}
-        return result.mean_loss, result.steps, metrics
+        out = self.dp.train_round(model, optimizer, (x, y), ctx, num_examples=len(y),
+                                  after_noise=self._proximal_after_noise(model, ctx))
+        return out.mean_loss, out.steps, out.metrics
 
     def _proximal_after_noise(self, model: nn.Module, ctx: NodeContext) -> Callable[[], None] | None:
         """DP-FedProx: FedProx's proximal gradient ``mu (w - w_global)`` added to the privatised gradient.

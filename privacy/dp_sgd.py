@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 from opacus import PrivacyEngine
@@ -30,6 +30,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from fedsim.config import PrivacyConfig
+
+#: ``loss(module, batch) -> mean loss over the batch's examples``; ``batch`` is a tuple of tensors.
+LossFn = Callable[[nn.Module, Sequence[torch.Tensor]], torch.Tensor]
 
 
 @dataclass
@@ -42,8 +45,7 @@ class DPRoundResult:
 def private_local_training(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    x: torch.Tensor,
-    y: torch.Tensor,
+    data: Sequence[torch.Tensor],
     *,
     privacy: PrivacyConfig,
     batch_size: int,
@@ -51,11 +53,19 @@ def private_local_training(
     noise_multiplier: float,
     batch_seed: int,
     noise_seed: int,
+    loss: Optional[LossFn] = None,
     criterion: Optional[nn.Module] = None,
     after_noise: Optional[Callable[[], None]] = None,
 ) -> DPRoundResult:
-    """Run ``steps`` DP-SGD steps minimising ``criterion`` (default cross-entropy) on (x, y); the model
-    is left unwrapped.  ``after_noise`` edits the parameters' privatised ``.grad`` before each step."""
+    """Run ``steps`` DP-SGD steps on the examples ``data`` (tensors sharing their first dimension; one
+    row is one protected example); the model is left unwrapped.
+
+    The batch loss is ``loss(module, batch)`` or, by default, ``criterion`` (cross-entropy) of
+    ``module(batch[0])`` against ``batch[1]``.  ``after_noise`` edits the parameters' privatised
+    ``.grad`` before each step.
+    """
+    if loss is not None and privacy.grad_sample_mode == "ghost":
+        raise ValueError("privacy.grad_sample_mode=ghost needs an (output, target) criterion, not a loss function")
     with warnings.catch_warnings():
         # Opacus' known notices: "Secure RNG turned off" (intended: seeded simulation) and the
         # full-backward-hook notice for frozen inputs.
@@ -63,8 +73,8 @@ def private_local_training(
         if after_noise is not None:
             _run_before_step(optimizer, after_noise)
         try:
-            return _run(model, optimizer, x, y, privacy, batch_size, steps, noise_multiplier, batch_seed, noise_seed,
-                        criterion if criterion is not None else nn.CrossEntropyLoss())
+            return _run(model, optimizer, tuple(data), privacy, batch_size, steps, noise_multiplier, batch_seed,
+                        noise_seed, criterion if criterion is not None else nn.CrossEntropyLoss(), loss)
         finally:
             optimizer.__dict__.pop("step", None)  # the plain optimizer again
 
@@ -81,10 +91,10 @@ def _run_before_step(optimizer: torch.optim.Optimizer, hook: Callable[[], None])
     optimizer.step = step_after_hook  # type: ignore[method-assign]
 
 
-def _run(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+def _run(model: nn.Module, optimizer: torch.optim.Optimizer, data: tuple[torch.Tensor, ...],
          privacy: PrivacyConfig, batch_size: int, steps: int, noise_multiplier: float, batch_seed: int,
-         noise_seed: int, loss_module: nn.Module) -> DPRoundResult:
-    loader = DataLoader(TensorDataset(x, y), batch_size=batch_size,
+         noise_seed: int, loss_module: nn.Module, loss_fn: Optional[LossFn]) -> DPRoundResult:
+    loader = DataLoader(TensorDataset(*data), batch_size=batch_size,
                         generator=torch.Generator().manual_seed(batch_seed))
     engine = PrivacyEngine(accountant=privacy.accountant, secure_mode=False)
     kwargs = dict(module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=noise_multiplier,
@@ -102,14 +112,15 @@ def _run(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y:
         while taken < steps:
             with BatchMemoryManager(data_loader=dp_loader, max_physical_batch_size=privacy.max_physical_batch_size,
                                     optimizer=dp_opt) as physical:
-                for xb, yb in physical:
+                for batch in physical:
                     dp_opt.zero_grad(set_to_none=True)
-                    loss = criterion(module(xb), yb)
+                    loss = loss_fn(module, batch) if loss_fn is not None else criterion(module(batch[0]), batch[1])
                     loss.backward()
                     dp_opt.step()
-                    seen += len(yb)
-                    if len(yb):
-                        loss_sum += float(loss.detach().item()) * len(yb)
+                    n = len(batch[0])
+                    seen += n
+                    if n:
+                        loss_sum += float(loss.detach().item()) * n
                     if not dp_opt._is_last_step_skipped:
                         taken += 1
                         if taken == steps:

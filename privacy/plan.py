@@ -10,10 +10,10 @@ every round (sampled or not), which is what that accounting assumes.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from fedsim.config import ExperimentConfig
+from fedsim.contracts.learner import local_steps
 from fedsim.errors import ConfigError
 from privacy.accounting import calibrate_noise, poisson_sample_rate
 
@@ -28,12 +28,6 @@ class ClientPrivacyPlan:
     noise_multiplier: float
 
 
-def steps_per_round(num_examples: int, cfg: ExperimentConfig) -> int:
-    if cfg.client.local_steps is not None:
-        return cfg.client.local_steps
-    return cfg.client.local_epochs * math.ceil(num_examples / cfg.client.batch_size)
-
-
 def plan_client(partition_id: int, num_examples: int, cfg: ExperimentConfig) -> ClientPrivacyPlan:
     p = cfg.privacy
     if num_examples < 1:
@@ -43,7 +37,7 @@ def plan_client(partition_id: int, num_examples: int, cfg: ExperimentConfig) -> 
                           f"{partition_id} ({num_examples} examples); lower privacy.delta")
     loader_rate = poisson_sample_rate(num_examples, cfg.client.batch_size)
     rate = loader_rate * cfg.strategy.fraction_train if p.amplify_client_sampling else loader_rate
-    per_round = steps_per_round(num_examples, cfg)
+    per_round = local_steps(num_examples, cfg)
     total = cfg.rounds * per_round
     if p.noise_multiplier is not None:
         sigma = float(p.noise_multiplier)

@@ -36,6 +36,15 @@ if TYPE_CHECKING:
 StateDict = dict[str, torch.Tensor]
 
 
+def local_steps(num_examples: int, cfg: ExperimentConfig) -> int:
+    """Optimiser steps of one client's round: ``client.local_steps`` when set, else
+    ``client.local_epochs`` passes of ``⌈n / client.batch_size⌉`` batches.  The one formula that
+    training and the privacy plan (which calibrates σ for these steps) both use."""
+    if cfg.client.local_steps is not None:
+        return cfg.client.local_steps
+    return cfg.client.local_epochs * -(-num_examples // cfg.client.batch_size)
+
+
 @dataclass
 class NodeContext:
     """What a learner knows about the node and round it is serving."""

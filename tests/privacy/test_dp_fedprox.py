@@ -21,7 +21,7 @@ def _train(model: nn.Module, steps: int, hook=None) -> torch.Tensor:
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(64, 4, generator=g), torch.randint(0, 3, (64,), generator=g)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    private_local_training(model, opt, x, y, privacy=C.PrivacyConfig(enabled=True, max_physical_batch_size=64),
+    private_local_training(model, opt, (x, y), privacy=C.PrivacyConfig(enabled=True, max_physical_batch_size=64),
                            batch_size=16, steps=steps, noise_multiplier=1.0, batch_seed=1, noise_seed=2,
                            after_noise=hook)
     assert "step" not in opt.__dict__  # the optimiser is plain again
