@@ -118,6 +118,7 @@ class SupervisedLearner(Learner):
     """Cross-entropy training of a registered model on labelled arrays from ``envs``."""
 
     supports_dp = True
+    privacy_unit = "one training example of one client (a row of its training split)"
 
     def __init__(self, cfg: ExperimentConfig, params: SupervisedParams) -> None:
         super().__init__(cfg, params)

@@ -78,6 +78,8 @@ class Learner(ABC):
     """Base class of node-side learners; subclasses register under ``fedsim.registry.LEARNERS``."""
 
     supports_dp: bool = False  # True when the learner honours cfg.privacy (DP-SGD)
+    #: Without DP: why (one line, shown when a user asks for --eps); with DP: what one protected unit is.
+    privacy_unit: str = ""
     #: True when the learner builds its own environment and model from ``client.params`` (RL, graphs ...):
     #: ``cfg.data`` and ``cfg.model`` are then unused and not logged as the run's params.
     owns_environment: bool = False

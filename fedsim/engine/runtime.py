@@ -198,9 +198,11 @@ def drop_learners() -> None:
 def check_learner(cfg: C.ExperimentConfig) -> None:
     """Fail fast (before any run starts) on an unknown learner, bad params or unsupported DP."""
     LEARNERS.params(cfg.client.learner, cfg.client.params, "client.params")
-    if cfg.privacy.enabled and not getattr(LEARNERS.get(cfg.client.learner), "supports_dp", False):
+    learner = LEARNERS.get(cfg.client.learner)
+    if cfg.privacy.enabled and not getattr(learner, "supports_dp", False):
+        why = getattr(learner, "privacy_unit", "")
         raise ConfigError(f"experiment {cfg.name!r} uses learner {cfg.client.learner!r}, which has no differential "
-                          f"privacy, so --eps / privacy.enabled does not apply; drop it")
+                          f"privacy{f' ({why})' if why else ''}, so --eps / privacy.enabled does not apply; drop it")
 
 
 def node_context(msg: Message, context: Context, cfg: C.ExperimentConfig):  # -> clients.NodeContext
