@@ -199,10 +199,9 @@ class PrivacyConfig:
     noise_multiplier: Optional[float] = rng("(0, 1e6]", None)  # set σ directly instead of calibrating it from epsilon
     max_grad_norm: float = rng("(0, 1e6]", 1.0)  # per-sample clipping bound C
     accountant: str = "prv"  # prv | rdp
-    # The authors' FedSVD code folds the client-sampling fraction into the sampling rate (privacy
-    # amplification by secret client sampling). Off by default: a client is assumed to take part
-    # in every round.
-    amplify_client_sampling: bool = False
+    # standard: also release, without DP, train losses, client sizes, label plots (privacy/release.py);
+    # strict: withhold them (ledger keys only in replies, uniform weights, no setup facts)
+    release: str = "standard"
     grad_sample_mode: str = "hooks"  # Opacus per-sample-gradient mode: hooks | ew | functorch | ghost
     max_physical_batch_size: int = rng("[1, 1e6]", 64)  # logical batches are split to this size (memory)
     update_clipping_norm: float = rng("(0, 1e6]", 1.0)  # client level: each client's model update is clipped to this L2 norm
@@ -322,6 +321,31 @@ def load_central_config(name_or_path: str, overrides: list[str] | None = None, s
     return typed
 
 
+#: Keys that existed once: setting one is a one-line error that says why it went.
+REMOVED_KEYS: dict[str, str] = {
+    "privacy.amplify_client_sampling": (
+        "it folded the client-sampling fraction into every DP-SGD step's sampling rate, which is not a sound "
+        "bound (a client takes part in whole rounds, and Flower samples clients without replacement); every "
+        "client is now charged for every round, which is"),
+}
+
+
+def _check_removed(keys: list[str], where: str) -> None:
+    for key in keys:
+        if key in REMOVED_KEYS:
+            raise ConfigError(f"{where}: {key} was removed: {REMOVED_KEYS[key]}; drop it")
+
+
+def _dotted_keys(tree: Any, prefix: str = "") -> list[str]:
+    if not isinstance(tree, dict):
+        return []
+    out = []
+    for key, value in tree.items():
+        out.append(f"{prefix}{key}")
+        out += _dotted_keys(value, f"{prefix}{key}.")
+    return out
+
+
 def load_config(
     name_or_path: str,
     overrides: list[str] | None = None,
@@ -330,6 +354,8 @@ def load_config(
     """Load an experiment, apply ``key=value`` overrides then CLI flags, validate, return it typed."""
     path = experiment_path(name_or_path)
     base = OmegaConf.structured(ExperimentConfig)
+    _check_removed(_dotted_keys(read_yaml(path)), str(path))
+    _check_removed([item.split("=", 1)[0].strip() for item in overrides or []], "override")
     try:
         cfg = OmegaConf.merge(base, read_yaml(path))
     except OmegaConfBaseException as exc:
@@ -428,6 +454,9 @@ def validate(cfg: ExperimentConfig) -> None:
            f"or set strategy.fraction_evaluate=0")
     validate_engine(cfg.engine)
     validate_privacy(cfg.privacy)
+    _check(not (cfg.privacy.enabled and cfg.privacy.release == "strict" and cfg.strategy.fraction_evaluate > 0),
+           f"privacy.release=strict withholds metrics on the clients' own data, but strategy.fraction_evaluate="
+           f"{cfg.strategy.fraction_evaluate} asks for client-side evaluation; set strategy.fraction_evaluate=0")
 
 
 def check_names(cfg: ExperimentConfig) -> None:
@@ -460,6 +489,7 @@ def validate_privacy(p: PrivacyConfig) -> None:
            f"privacy.grad_sample_mode must be hooks, ew, functorch or ghost, got {p.grad_sample_mode!r}")
     _check((p.epsilon is None) != (p.noise_multiplier is None),
            "privacy: set exactly one of privacy.epsilon (--eps) and privacy.noise_multiplier")
+    _check(p.release in ("standard", "strict"), f"privacy.release must be 'standard' or 'strict', got {p.release!r}")
 
 
 def to_container(cfg: ExperimentConfig) -> dict[str, Any]:

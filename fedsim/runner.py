@@ -85,7 +85,8 @@ def run_experiment(
         learner = get_learner(spec)
         # Build data now, so data errors surface before an MLflow run exists.
         learner.preflight()
-        setup = learner.setup_summary()
+        withheld = cfg.privacy.enabled and cfg.privacy.release == "strict"  # privacy/release.py
+        setup = {} if withheld else learner.setup_summary()
         ledger = _privacy_ledger(cfg, learner, setup)
         history = History()
         recorder = None
@@ -120,8 +121,12 @@ def run_experiment(
                 params = {k: v for k, v in params.items() if not k.startswith(("data.", "model."))}
             recorder.log_params({**params, **setup})
             recorder.log_text(C.to_yaml(cfg), "config.yaml")
-            for path in learner.setup_artifacts(recorder.artifact_dir):
+            for path in ([] if withheld else learner.setup_artifacts(recorder.artifact_dir)):
                 recorder.log_artifact(path, "plots")
+            if cfg.privacy.enabled:
+                from privacy.release import statement
+
+                recorder.log_text(statement(cfg), "privacy_release.md")
         if recorder is not None and checkpoint_dir is not None:
             recorder.set_tag("fedsim.checkpoint", str(checkpoint_dir.path))
         if resume is not None:
@@ -256,9 +261,7 @@ def _privacy_ledger(cfg: C.ExperimentConfig, learner: Any, setup: dict[str, Any]
     sigmas = [p.noise_multiplier for p in plans.values()]
     setup.update({"privacy.noise_multiplier": max(sigmas), "privacy.noise_multiplier_min": min(sigmas),
                   "privacy.target_epsilon": cfg.privacy.epsilon, "privacy.delta": cfg.privacy.delta})
-    charge = ({pid: (p.steps_per_round, p.accounting_rate, p.noise_multiplier) for pid, p in plans.items()}
-              if cfg.privacy.amplify_client_sampling else None)
-    return PrivacyLedger(cfg.num_clients, cfg.privacy.delta, cfg.privacy.accountant, charge)
+    return PrivacyLedger(cfg.num_clients, cfg.privacy.delta, cfg.privacy.accountant)
 
 
 def _log_outputs(recorder: Any, cfg: C.ExperimentConfig, history: History, result: ServerResult, wall: float) -> None:

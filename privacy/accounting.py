@@ -5,11 +5,11 @@ client of ``n`` examples and logical batch ``B`` (exactly what ``make_private`` 
 ``q`` is used to calibrate σ and to account ε here.
 
 Calibration is honest by default: a client is assumed to take part in every round, so its number
-of DP-SGD steps is ``rounds × local_steps``.  ``privacy.amplify_client_sampling=true`` reproduces
-the FedSVD authors' choice (``seanie12/fed-svd`` ``client.py::dp_init``): the client-sampling
-fraction is folded into the sampling rate, ``q' = q × fraction_train``, which assumes the server
-samples clients secretly and uniformly at random every round (privacy amplification by subsampling
-of clients as well as of examples) — an assumption a real deployment must justify.
+of DP-SGD steps is ``rounds × local_steps``.  The FedSVD authors (``seanie12/fed-svd``
+``client.py::dp_init``) fold the client-sampling fraction into the per-step rate,
+``q' = q × fraction_train``; that is not a sound bound here (a sampled client runs all its local
+steps of a round, so its steps are not independently subsampled, and Flower samples clients
+without replacement), and fedsim does not offer it (``privacy.amplify_client_sampling`` was removed).
 """
 
 from __future__ import annotations

@@ -6,10 +6,10 @@ weights, so the wrapped FedAvg weighs by a unit key every reply carries), and Ga
 σ·C/m is added to the average (McMahan et al., "Learning Differentially Private Recurrent Language
 Models", 2018).  One round is one Gaussian-mechanism step at the client level.
 
-Accounting (the ledger charges every client every round, since any client may be sampled): by
-default without amplification (sampling rate 1, as Flower's own fixed-clipping accountant
-requires); with ``privacy.amplify_client_sampling`` at rate m/N, which assumes secret uniform
-client sampling.  σ is calibrated so that ε ≤ ``privacy.epsilon`` after all rounds.
+Accounting (the ledger charges every client every round, since any client may be sampled):
+without amplification by client sampling (sampling rate 1, as Flower's own fixed-clipping
+accountant requires; Flower samples m of N clients without replacement, which a Poisson-rate
+accountant does not model).  σ is calibrated so that ε ≤ ``privacy.epsilon`` after all rounds.
 
 Only strategies whose replies carry the whole model and that send every client the same model fit
 this wrapper (FedAvg, FedProx, FedPhoenix); the LoRA strategies (partial replies) and FedMut
@@ -32,7 +32,7 @@ UNSUPPORTED = ("fedsvd", "ffa_lora", "fedavg_lora", "flora", "fedex_lora", "fedm
 @dataclass(frozen=True)
 class ClientLevelPlan:
     noise_multiplier: float
-    sample_rate: float  # accounting rate: 1, or m/N with amplification
+    sample_rate: float  # accounting rate: 1 (no amplification by client sampling)
     sampled_per_round: int
 
 
@@ -41,7 +41,7 @@ def plan_client_level(cfg: ExperimentConfig, sampled_per_round: int) -> ClientLe
     if p.delta >= 1.0 / cfg.num_clients:
         raise ConfigError(f"privacy.delta={p.delta:g} is not below 1/N = {1 / cfg.num_clients:.3g} for "
                           f"{cfg.num_clients} clients (client-level DP); lower privacy.delta")
-    rate = sampled_per_round / cfg.num_clients if p.amplify_client_sampling else 1.0
+    rate = 1.0
     if p.noise_multiplier is not None:
         sigma = float(p.noise_multiplier)
     else:

@@ -69,7 +69,7 @@ class PrivateTrainer:
     def check_budget(self, ctx: Any, plan: ClientPrivacyPlan) -> None:
         """Raise :class:`PrivacyBudgetExhausted` if another round would take this client past its ε."""
         p = self.cfg.privacy
-        if p.epsilon is None or p.amplify_client_sampling:
+        if p.epsilon is None:
             return
         eps_next = epsilon_for(plan.noise_multiplier, plan.accounting_rate, self.spent_steps(ctx) + plan.steps_per_round,
                                p.delta, p.accountant)

@@ -3,9 +3,9 @@
 σ is calibrated per client so that the client's ε stays ≤ ``privacy.epsilon`` for the whole run
 under the assumption that it takes part in every round (steps = rounds × steps per round).  A
 client's sampling rate depends on its dataset size, so σ differs between clients; the ledger
-records each client's own σ.  With ``privacy.amplify_client_sampling`` the client-sampling fraction
-is folded into the rate as the FedSVD authors do, and the ledger then charges every client for
-every round (sampled or not), which is what that accounting assumes.
+records each client's own σ.  The FedSVD authors fold the client-sampling fraction into the rate;
+that is not a sound bound (a client takes part in whole rounds, and Flower samples clients without
+replacement), so it is not offered: the rate is the loader's own.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from privacy.accounting import calibrate_noise, poisson_sample_rate
 class ClientPrivacyPlan:
     num_examples: int
     loader_rate: float  # Opacus' Poisson rate of the client's loader, 1/⌈n/B⌉
-    accounting_rate: float  # the rate the ledger accounts with (× fraction_train when amplified)
+    accounting_rate: float  # the rate the ledger accounts with (the loader's: no client-sampling amplification)
     steps_per_round: int
     total_steps: int
     noise_multiplier: float
@@ -36,7 +36,7 @@ def plan_client(partition_id: int, num_examples: int, cfg: ExperimentConfig) -> 
         raise ConfigError(f"privacy.delta={p.delta:g} is not below 1/n = {1 / num_examples:.3g} for client "
                           f"{partition_id} ({num_examples} examples); lower privacy.delta")
     loader_rate = poisson_sample_rate(num_examples, cfg.client.batch_size)
-    rate = loader_rate * cfg.strategy.fraction_train if p.amplify_client_sampling else loader_rate
+    rate = loader_rate
     per_round = local_steps(num_examples, cfg)
     total = cfg.rounds * per_round
     if p.noise_multiplier is not None:

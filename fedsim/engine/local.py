@@ -108,7 +108,7 @@ class InProcessGrid(DriverGrid):
         except Exception as exc:  # keep per-client failure semantics: redo them one by one
             log.warning("engine.vectorise: the batched round failed (%s); training clients one by one", exc)
             return {}
-        return {m.metadata.message_id: train_reply(m, r) for m, r in zip(msgs, results)}
+        return {m.metadata.message_id: train_reply(m, r, cfg) for m, r in zip(msgs, results)}
 
     def pull_messages(self, message_ids: Iterable[str]) -> list[Message]:
         return [self._replies.pop(i) for i in message_ids if i in self._replies]

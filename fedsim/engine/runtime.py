@@ -288,9 +288,17 @@ def _decoded(record: ArrayRecord) -> dict[str, torch.Tensor]:
     return state
 
 
-def train_reply(msg: Message, result: Any) -> Message:
-    """The reply of a ``train`` message from a learner's :class:`~fedsim.contracts.learner.TrainResult`."""
-    metrics = MetricRecord({**result.metrics, NUM_EXAMPLES: result.num_examples, UNIT_WEIGHT: 1})
+def train_reply(msg: Message, result: Any, cfg: C.ExperimentConfig | None = None) -> Message:
+    """The reply of a ``train`` message from a learner's :class:`~fedsim.contracts.learner.TrainResult`.
+
+    Under ``privacy.release=strict`` it carries only the ledger's metrics and weighs 1
+    (:func:`privacy.release.reply_metrics`)."""
+    values, weight = dict(result.metrics), result.num_examples
+    if cfg is not None and cfg.privacy.enabled:
+        from privacy.release import reply_metrics
+
+        values, weight = reply_metrics(cfg, values, weight)
+    metrics = MetricRecord({**values, NUM_EXAMPLES: weight, UNIT_WEIGHT: 1})
     return Message(RecordDict({"arrays": resident_record(result.arrays), "metrics": metrics}), reply_to=msg)
 
 
@@ -343,7 +351,7 @@ def build_client_app(spec: RunSpec, deadline: float | None = None) -> ClientApp:
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
-        return train_reply(msg, serve(msg, context, "train"))
+        return train_reply(msg, serve(msg, context, "train"), spec.cfg)
 
     @app.evaluate()
     def evaluate(msg: Message, context: Context) -> Message:
