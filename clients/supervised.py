@@ -119,6 +119,7 @@ class SupervisedLearner(Learner):
 
     supports_dp = True
     privacy_unit = "one training example of one client (a row of its training split)"
+    validation_split = True
 
     def __init__(self, cfg: ExperimentConfig, params: SupervisedParams) -> None:
         super().__init__(cfg, params)

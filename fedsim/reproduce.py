@@ -47,6 +47,7 @@ from fedsim import claim_protocol as P
 from fedsim import config as C
 from fedsim.contracts.history import History
 from fedsim.errors import ConfigError, FedsimError
+from fedsim.registry import LEARNERS
 
 REPRODUCE_DIR = C.EXPERIMENTS_DIR / "reproduce"
 EPS_KEY = "eps"
@@ -312,10 +313,10 @@ def _reference_label(spec: ClaimSpec, role: str) -> str:
 
 def _check_tuning_configs(spec: ClaimSpec, cfgs: list[Any]) -> None:
     for cfg in cfgs:
-        if (isinstance(cfg, C.ExperimentConfig) and cfg.client.learner == "supervised"
-                and spec.tune is not None and cfg.evaluation.validation_fraction <= 0):
-            raise ConfigError(f"tune selects on {spec.tune.metric}, which the supervised learner logs only with "
-                              "a validation split: add evaluation.validation_fraction=0.1 (say) to the overrides")
+        if (isinstance(cfg, C.ExperimentConfig) and spec.tune is not None and cfg.evaluation.validation_fraction <= 0
+                and getattr(LEARNERS.get(cfg.client.learner), "validation_split", False)):
+            raise ConfigError(f"tune selects on {spec.tune.metric}, which the {cfg.client.learner} learner logs only "
+                              "with a validation split: add evaluation.validation_fraction=0.1 (say) to the overrides")
 
 
 def preflight_data(cfg: Any) -> None:

@@ -22,11 +22,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from fedsim.config import ExperimentConfig
+from fedsim.contracts.strategy import WHOLE_MODEL_UPDATES, declares
 from fedsim.contracts.wire import UNIT_WEIGHT
 from fedsim.errors import ConfigError
 from privacy.accounting import calibrate_noise
-
-UNSUPPORTED = ("fedsvd", "ffa_lora", "fedavg_lora", "flora", "fedex_lora", "fedmut")
 
 
 @dataclass(frozen=True)
@@ -54,7 +53,7 @@ def wrap_client_level(strategy: Any, cfg: ExperimentConfig, sampled_per_round: i
     """Wrap ``strategy`` in Flower's server-side fixed-clipping DP strategy."""
     from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping, FedAvg
 
-    if cfg.strategy.name in UNSUPPORTED or not isinstance(strategy, FedAvg):
+    if not isinstance(strategy, FedAvg) or not declares(strategy, WHOLE_MODEL_UPDATES):
         raise ConfigError(f"privacy.level=client needs a strategy that sends one model and receives whole "
                           f"models (fedavg, fedprox, fedphoenix); {cfg.strategy.name!r} does not")
     strategy.weighted_by_key = UNIT_WEIGHT

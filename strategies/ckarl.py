@@ -38,6 +38,8 @@ log = logging.getLogger("fedsim")
 class CKARLStrategy(FedAvg):
     """FedAvg of the task's trainable keys, then the server's continual step (see the module docstring)."""
 
+    whole_model_updates = False  # fedsim.contracts.strategy.WHOLE_MODEL_UPDATES
+
     def __init__(self, *, method: Method, params: RLParams, **fedavg_kwargs) -> None:
         super().__init__(**fedavg_kwargs)
         self.method = method

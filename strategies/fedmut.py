@@ -88,6 +88,8 @@ def mutate(global_sd: dict[str, torch.Tensor], previous_sd: dict[str, torch.Tens
 class FedMut(FedAvg):
     """FedAvg that sends each sampled client a mutated copy of the global model (module docstring)."""
 
+    whole_model_updates = False  # fedsim.contracts.strategy.WHOLE_MODEL_UPDATES
+
     def __init__(self, *, root_seed: int, alpha: float = 4.0, acc_rate: float = 0.3, acc_bound: int = 50,
                  **fedavg_kwargs) -> None:
         super().__init__(**fedavg_kwargs)

@@ -89,6 +89,8 @@ class LoraFedAvg(FedAvg):
     happens after averaging (:meth:`post_aggregate`).
     """
 
+    whole_model_updates = False  # fedsim.contracts.strategy.WHOLE_MODEL_UPDATES
+
     train_A: bool = True
     send_base: bool = False
 

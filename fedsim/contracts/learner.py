@@ -80,6 +80,9 @@ class Learner(ABC):
     supports_dp: bool = False  # True when the learner honours cfg.privacy (DP-SGD)
     #: Without DP: why (one line, shown when a user asks for --eps); with DP: what one protected unit is.
     privacy_unit: str = ""
+    #: True when the learner honours ``evaluation.validation_fraction`` (a server validation split it
+    #: reports as ``val/*``, what ``fedsim reproduce``'s tuning selects on).
+    validation_split: bool = False
     #: True when the learner builds its own environment and model from ``client.params`` (RL, graphs ...):
     #: ``cfg.data`` and ``cfg.model`` are then unused and not logged as the run's params.
     owns_environment: bool = False

@@ -1,10 +1,27 @@
-"""What a strategy builder receives: the experiment and the sample sizes the engine will use."""
+"""What a strategy builder receives (the experiment and the sample sizes the engine will use), and the
+capabilities a strategy class may declare.
+
+A strategy class may set, as a class attribute:
+
+* :data:`WHOLE_MODEL_UPDATES` (``whole_model_updates``, default True for Flower's FedAvg family):
+  every client receives the same model and replies with all of it, so server-side client-level DP
+  (clip each update, average uniformly, add noise) applies.  The LoRA strategies (partial
+  replies), FedMut (per-client models) and CKA-RL set it False.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from fedsim.config import ExperimentConfig
+
+
+WHOLE_MODEL_UPDATES = "whole_model_updates"
+
+
+def declares(strategy: object, capability: str, default: bool = True) -> bool:
+    """Whether ``strategy`` declares ``capability`` (a class attribute named above)."""
+    return bool(getattr(strategy, capability, default))
 
 
 @dataclass(frozen=True)
