@@ -13,8 +13,7 @@ imported from its module on first use.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from fedsim.lazy import lazy_getattr
 
 _EXPORTS: dict[str, tuple[str, ...]] = {
     "envs.corruptions": ("BENCHMARK_ORDER", "CORRUPTIONS", "corrupt"),
@@ -34,10 +33,4 @@ _WHERE: dict[str, str] = {name: module for module, names in _EXPORTS.items() for
 __all__ = sorted(_WHERE)
 
 
-def __getattr__(name: str) -> Any:
-    """Import an exported name from its module on first use (PEP 562)."""
-    if name not in _WHERE:
-        raise AttributeError(f"module 'envs' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_WHERE[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr("envs", _WHERE, globals())

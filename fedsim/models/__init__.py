@@ -9,8 +9,7 @@ library only when one of those models is built.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from fedsim.lazy import lazy_getattr
 
 from fedsim.models.vision import CNNParams, MLPParams, SmallCNN, build_model  # noqa: F401
 
@@ -25,10 +24,4 @@ _LAZY: dict[str, str] = {
 __all__ = ["CNNParams", "MLPParams", "SmallCNN", "build_model", *_LAZY]
 
 
-def __getattr__(name: str) -> Any:
-    """Import a LoRA model class from its module on first use (PEP 562)."""
-    if name not in _LAZY:
-        raise AttributeError(f"module 'fedsim.models' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr("fedsim.models", _LAZY, globals())
