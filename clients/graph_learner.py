@@ -147,6 +147,9 @@ class GraphDAParams:
 class GraphDALearner(Learner):
     """ImGDA and its baselines; one round = ``epochs_per_round`` full-batch epochs per node."""
 
+    privacy_unit = ("node-level DP is not implemented: message passing couples a node's loss with its "
+                    "neighbours' features, so one node is not one clippable example without bounded-degree sampling")
+
     owns_environment = True  # the source/target graphs and the GCN come from client.params
 
     def __init__(self, cfg: ExperimentConfig, params: GraphDAParams) -> None:

@@ -43,6 +43,27 @@ recipe's pseudo-distributions of the whole unlabelled pool under the global mode
 plots and a CSV of the test and pseudo-label measures per round (the final test measures are the
 last round's ``eval/*``).
 
+**Differential privacy** (``--eps``, sample-level DP-SGD through :class:`privacy.facade.PrivateTrainer`;
+every method).  Unit of privacy: one training row of one node — a labelled row with its label
+distribution, or an unlabelled row.  The step loss is rewritten as a mean of per-row terms over one
+tensor tuple ``(x, target, labelled flag)`` (:func:`clients.ldl.methods.per_example_loss`): a
+labelled row's KL + margin PRR, an unlabelled row's ``w_u`` × (KL + PRR) against its own
+pseudo-distribution (its weak views under the model, or the round's snapshot of the global model on
+it), with its own confidence mask.  Nothing couples rows: the PRR ranks *labels* within one row, the
+mask thresholds the row's own peak mass, augmentations draw per row; one forward pass per batch.
+**Deviations** under DP: a step is one Poisson batch over the node's pooled rows at one rate (expected
+``batch_size × (1 + mu)`` rows, ``batch_size`` for ``supervised``), so its labelled:unlabelled mix is
+the node's, not 1 : ``mu``; every row weighs 1 (unlabelled ``w_u``) in a mean over the whole batch,
+where without DP the labelled and unlabelled terms are means over their own batches; BatchNorm
+becomes GroupNorm (Opacus); the augmentation's noise scale comes from the server's test split, not
+the pooled training rows (a statistic of every node's private rows); ``eval/pseudo_*`` (the server
+scoring every node's unlabelled rows) is not computed.  A ``supervised`` node without labelled rows
+never trains (an empty plan, ε 0).  Not protected: the train reply's loss parts and ``pseudo_*``
+(diagnostics on private rows, and the unlabelled rows' simulated truths; released without DP under
+``privacy.release=standard``, withheld under ``strict``), client-side evaluation (it scores the
+node's unlabelled *training* rows: keep ``strategy.fraction_evaluate=0`` under DP), and the
+server's test split.
+
 The learner owns its data and model: ``cfg.data`` and ``cfg.model`` are ignored (the YAML leaves
 them at their defaults); the data set and the network are set in ``client.params``.
 """
@@ -61,8 +82,9 @@ from torch import nn
 from fedsim.contracts.learner import EvalResult, Learner, NodeContext, StateDict, TrainResult
 from clients.ldl.augment import Augment, AugmentParams, augment_for
 from clients.ldl.measures import MEASURES, RANKS, ldl_measures
-from clients.ldl.methods import RECIPES, Recipe, Weights, predict, pseudo_distributions, recipe_of, step_loss
-from clients.supervised import iterate_batches, make_optimizer
+from clients.ldl.methods import (RECIPES, Recipe, Weights, per_example_loss, predict, pseudo_distributions, recipe_of,
+                                 step_loss)
+from clients.supervised import iterate_batches, make_dp_compatible, make_optimizer
 from envs.ldl import (ImageLDLParams, LDLData, LDLSplit, NodeRows, TabularLDLParams, federated_ldl, image_ldl,
                       split_ldl, tabular_ldl)
 from fedsim.config import ExperimentConfig
@@ -70,6 +92,8 @@ from fedsim.errors import ConfigError
 from fedsim.models import build_model
 from fedsim.registry import LEARNERS
 from fedsim.seeding import derive_seed, seed_torch
+from privacy.facade import PrivateTrainer
+from privacy.plan import ClientPrivacyPlan
 
 if TYPE_CHECKING:
     from fedsim.contracts.history import History
@@ -137,9 +161,13 @@ class LDLLearner(Learner):
     """Semi-supervised LDL on labelled + unlabelled rows per node; FedAvg of the whole network."""
 
     owns_environment = True  # the LDL data set and the network come from client.params
+    supports_dp = True
+    privacy_unit = ("one training row of one node (a labelled row with its label distribution, or an unlabelled "
+                    "row); the server's test split is not protected")
 
     def __init__(self, cfg: ExperimentConfig, params: LDLParams) -> None:
         super().__init__(cfg, params)
+        self._dp: dict[int, PrivateTrainer] = {}
         self.recipe: Recipe = recipe_of(params.method)
         self._data: LDLData | None = None
         self._split: LDLSplit | None = None
@@ -192,15 +220,46 @@ class LDLLearner(Learner):
 
     @property
     def augment(self) -> Augment:
+        """Augmentation scaled by the training pool's statistics; under DP by the server's test split's
+        (the pool's std would be a statistic of every node's private rows, outside the ledger)."""
         if self._augment is None:
-            self._augment = augment_for(self.data.x[np.concatenate([self.split.labelled, self.split.unlabelled])],
-                                        self.params.augment)
+            rows = (self.split.test if self.sample_level_dp
+                    else np.concatenate([self.split.labelled, self.split.unlabelled]))
+            self._augment = augment_for(self.data.x[rows], self.params.augment)
         return self._augment
 
     def build_network(self) -> nn.Module:
         p, data = self.params, self.data
         name = p.model if p.model != "auto" else ("cnn" if len(data.input_shape) == 3 else "mlp")
-        return build_model(name, dict(p.model_params), data.input_shape, data.num_labels)
+        model = build_model(name, dict(p.model_params), data.input_shape, data.num_labels)
+        return make_dp_compatible(model) if self.sample_level_dp else model  # BatchNorm -> GroupNorm
+
+    # -- privacy (sample-level DP-SGD through privacy.facade) -------------------------------------------
+    @property
+    def sample_level_dp(self) -> bool:
+        return self.cfg.privacy.enabled and self.cfg.privacy.level == "sample"
+
+    def dp_rows(self, partition_id: int) -> int:
+        """Rows of the node's DP data: labelled, plus unlabelled when the recipe uses them."""
+        node = self.node(partition_id)
+        return len(node.x_l) + (len(node.x_u) if self.recipe.uses_unlabelled else 0)
+
+    def dp_trainer(self, partition_id: int) -> PrivateTrainer:
+        """The node's DP-SGD: :meth:`num_steps` logical steps of expected batch ``batch_size × (1 + mu)``
+        (``batch_size`` without unlabelled rows), the rows a step takes without DP."""
+        if partition_id not in self._dp:
+            c = self.cfg.client
+            node = self.node(partition_id)
+            mixed = self.recipe.uses_unlabelled and len(node.x_u) > 0
+            client = replace(c, batch_size=c.batch_size * ((1 + self.params.mu) if mixed else 1),
+                             local_steps=self.num_steps(partition_id))
+            self._dp[partition_id] = PrivateTrainer(replace(self.cfg, client=client))
+        return self._dp[partition_id]
+
+    def privacy_plan(self, partition_id: int) -> ClientPrivacyPlan:
+        if self.num_steps(partition_id) == 0:  # supervised on an unlabelled-only node: never trains
+            return ClientPrivacyPlan(0, 0.0, 0.0, 0, 0, 0.0)
+        return self.dp_trainer(partition_id).plan(partition_id, self.dp_rows(partition_id))
 
     @property
     def model(self) -> nn.Module:
@@ -244,6 +303,9 @@ class LDLLearner(Learner):
             self.model
         except ConfigError as exc:
             raise ConfigError(f"client.params.model_params: {exc}") from None
+        if self.sample_level_dp:
+            for pid in range(cfg.num_clients):
+                self.privacy_plan(pid)
 
     # -- Learner API ------------------------------------------------------------------------------
     def init_arrays(self) -> StateDict:
@@ -289,6 +351,8 @@ class LDLLearner(Learner):
         for group in opt.param_groups:
             group["lr"] = self.cfg.client.lr * self.lr_factor(ctx.server_round)
         model.train()
+        if self.sample_level_dp:
+            return self._train_private(model, ctx, opt, weights, gen, q_fixed, pseudo, steps)
         sums = dict.fromkeys(("loss", *LOSS_KEYS, "kept"), 0.0)
         kept_steps = 0
         for _ in range(steps):
@@ -313,6 +377,45 @@ class LDLLearner(Learner):
         n = (len(node.x_l) + (len(node.x_u) if use_u else 0)) if steps else 0
         return TrainResult({k: v.detach().clone() for k, v in model.state_dict().items()}, n, metrics)
 
+    def _train_private(self, model: nn.Module, ctx: NodeContext, opt: torch.optim.Optimizer, weights: Weights,
+                       gen: torch.Generator, q_fixed: torch.Tensor | None, pseudo: dict[str, float],
+                       steps: int) -> TrainResult:
+        """DP-SGD on the node's rows ``(x, target, labelled)``: labelled rows with their distributions,
+        unlabelled rows with their round snapshot (pseudo_label) or a placeholder (q built in the loss)."""
+        node, recipe = self.node(ctx.partition_id), self.recipe
+        metrics = {f"pseudo_{k}": float(pseudo.get(k, math.nan)) for k in PSEUDO_TRAIN}
+        if steps == 0:  # supervised on an unlabelled-only node
+            zero = {k: 0.0 for k in ("loss", *LOSS_KEYS, "kept")}
+            return TrainResult({k: v.detach().clone() for k, v in model.state_dict().items()}, 0,
+                               {**zero, **metrics, "steps": 0.0})
+        use_u = recipe.uses_unlabelled and len(node.x_u) > 0
+        xs, ts, flags = [node.x_l], [node.d_l], [torch.ones(len(node.x_l))]
+        if use_u:
+            xs.append(node.x_u)
+            ts.append(q_fixed if q_fixed is not None else torch.full_like(node.d_u, 1.0 / node.d_u.shape[1]))
+            flags.append(torch.zeros(len(node.x_u)))
+        data = (torch.cat(xs), torch.cat(ts).float(), torch.cat(flags))
+        sums = dict.fromkeys((*LOSS_KEYS, "labelled", "unlabelled", "kept"), 0.0)
+
+        def loss(module: nn.Module, batch: Any) -> torch.Tensor:
+            x, target, flag = batch
+            per, parts = per_example_loss(module, x, target, flag > 0.5, recipe, weights, self.augment, gen)
+            with torch.no_grad():
+                for k in LOSS_KEYS:
+                    sums[k] += float(parts[k].sum())
+                sums["labelled"] += float((flag > 0.5).sum())
+                sums["unlabelled"] += float((flag < 0.5).sum())
+                sums["kept"] += float((parts["unsup_kl"] > 0).sum())
+            return per.sum() / max(len(x), 1)  # the batch mean (0 on an empty Poisson batch)
+
+        out = self.dp_trainer(ctx.partition_id).train_round(model, opt, data, ctx, num_examples=len(data[0]),
+                                                            loss=loss)
+        per_row = {k: sums[k] / max(sums["labelled" if k.startswith("sup") else "unlabelled"], 1.0) for k in LOSS_KEYS}
+        metrics.update({"loss": out.mean_loss, **per_row,
+                        "kept": sums["kept"] / sums["unlabelled"] if sums["unlabelled"] else 0.0,
+                        "steps": float(out.steps), **out.metrics})
+        return TrainResult({k: v.detach().clone() for k, v in model.state_dict().items()}, len(data[0]), metrics)
+
     def evaluate(self, arrays: StateDict, ctx: NodeContext) -> EvalResult:
         """The six measures of the global model on the node's unlabelled rows (their truth is known offline)."""
         node = self.node(ctx.partition_id)
@@ -323,6 +426,8 @@ class LDLLearner(Learner):
         """Test-set measures (six + Spearman/Kendall) and the same of the recipe's pseudo-distributions of the pool."""
         model, data, split = self._load(arrays), self.data, self.split
         out = ldl_measures(data.d[split.test], predict(model, torch.from_numpy(data.x[split.test])).numpy())
+        if self.sample_level_dp:  # eval/pseudo_* would read every node's private unlabelled rows on the server
+            return out
         gen = torch.Generator().manual_seed(derive_seed(self.cfg.seed, "ldl-eval-pseudo"))
         q = pseudo_distributions(model, torch.from_numpy(data.x[split.unlabelled]), self.recipe, self.params.weights,
                                  self.augment, gen)

@@ -78,6 +78,30 @@ Adam (5e-4) for 100 epochs on 8v9; the metric is test accuracy on 8v9 (last and 
 * The data and model settings are this learner's own ``client.params``: ``cfg.data`` and
   ``cfg.model`` are ignored (not logged; the image experiment file sets mnist/mlp, the text one stdlib_docs/minilm_lora).
 
+**Differential privacy** (``--eps``, sample-level DP-SGD through :class:`privacy.facade.PrivateTrainer`;
+every method):
+
+* Unit of privacy: one training example (an image or a text with its 0/1 label) of one retraining
+  task held by one node.  Each node's σ is calibrated for ``rounds × local_steps`` steps at Poisson
+  rate ``1/⌈n/B⌉`` (``client.params.local_steps`` / ``batch_size`` are the plan's, not ``client.*``).
+* ``lora_ml`` / ``retrain``: the DP data is ``(x, y, task slot)`` over the node's pooled task
+  examples, so a step is one Poisson batch of expected size ``batch_size × tasks held`` drawn from the
+  pool, each example through its own task's adapter (lora_ml) — **deviation**: not exactly one batch
+  of ``batch_size`` per task as without DP (a batch's task mix is random).  The loss is the mean
+  per-example cross-entropy; the adapters' per-sample gradients come from the grad sampler
+  :func:`clients.lora_meta_model.register_opacus` (only the example's own slot is non-zero) and are
+  clipped and noised with the base's.  The adapters kept in ``ctx.state`` are trained on private data
+  by those DP steps only (post-processing of the noised gradients) and never leave the node.
+* ``reptile``: each task's inner SGD is its own DP-SGD run on that task's examples; the tasks'
+  examples are disjoint, so by parallel composition a round costs one run's ε (equal task sizes give
+  every run the same plan), and the interpolated reply is post-processing.
+* Not protected: the server-side few-shot adaptation (``evaluate_global``) fits on the *new* pair's
+  shots, which no node holds (the server's own data, never a node's private examples) — it is
+  evaluation, not training, and feeds nothing back to the nodes; ``eval/train_tasks_acc`` and
+  client-side evaluation score the retraining tasks' held-out *test* splits; the train reply's
+  ``loss`` / ``acc`` are diagnostics on private batches (released without DP under
+  ``privacy.release=standard``, withheld under ``strict``).
+
 **The MiniLM text variant** (``dataset: stdlib_docs``, ``arch: minilm``; ``experiments/peft_meta_text.yaml``):
 
 * Data: the offline ``stdlib_docs`` text set (:mod:`envs.text`: standard-library docstring paragraphs
@@ -96,6 +120,7 @@ Adam (5e-4) for 100 epochs on 8v9; the metric is test accuracy on 8v9 (last and 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
@@ -108,11 +133,13 @@ import torch.nn.functional as F
 from flwr.app import ArrayRecord
 
 from fedsim.contracts.learner import EvalResult, Learner, NodeContext, StateDict, TrainResult
-from clients.lora_meta_model import LoraNet, build
+from clients.lora_meta_model import LoraNet, build, register_opacus
 from fedsim.config import ExperimentConfig
 from fedsim.errors import ConfigError
 from fedsim.registry import DATASETS, LEARNERS
 from fedsim.seeding import derive_seed, numpy_rng
+from privacy.facade import DP_STATE, PrivateTrainer
+from privacy.plan import ClientPrivacyPlan
 
 if TYPE_CHECKING:
     from fedsim.contracts.history import History
@@ -220,12 +247,16 @@ class LoraMetaLearner(Learner):
     """Retraining on T binary tasks (centralised or client = task), few-shot LoRA evaluation on a new one."""
 
     owns_environment = True  # the binary tasks (digits or text) and the LoRA network come from client.params
+    supports_dp = True
+    privacy_unit = ("one training example (image or text) of one retraining task held by one node; "
+                    "the server's new-task shots and every test split are not protected")
 
     def __init__(self, cfg: ExperimentConfig, params: LoraMetaParams) -> None:
         super().__init__(cfg, params)
         self._tasks: list[Task] | None = None
         self._new: Task | None = None
         self._num_classes: int | None = None
+        self._dp: dict[int, PrivateTrainer] = {}  # per node: its DP-SGD batch size depends on its task count
 
     # -- set-up ---------------------------------------------------------------------------------------
     def _arrays(self) -> tuple[np.ndarray, np.ndarray]:
@@ -295,7 +326,36 @@ class LoraMetaLearner(Learner):
         """Each task's adapter start depends on the task only (the same centralised and federated)."""
         return [derive_seed(self.cfg.seed, "lora-meta-adapter", t) for t in task_ids]
 
+    # -- privacy (sample-level DP-SGD through privacy.facade) ------------------------------------------
+    @property
+    def sample_level_dp(self) -> bool:
+        return self.cfg.privacy.enabled and self.cfg.privacy.level == "sample"
+
+    def dp_trainer(self, partition_id: int) -> PrivateTrainer:
+        """This node's DP-SGD: ``local_steps`` logical steps of expected batch ``batch_size`` × (tasks in
+        one DP run: all the node's tasks for lora_ml / retrain, one for reptile's per-task runs)."""
+        if partition_id not in self._dp:
+            p = self.params
+            per_run = 1 if p.method == "reptile" else len(self.node_tasks(partition_id))
+            client = dataclasses.replace(self.cfg.client, batch_size=p.batch_size * per_run, local_steps=p.local_steps)
+            self._dp[partition_id] = PrivateTrainer(dataclasses.replace(self.cfg, client=client))
+        return self._dp[partition_id]
+
+    def dp_examples(self, partition_id: int) -> int:
+        """Rows of one DP run: the node's pooled task examples (reptile: one task's; tasks are equal-sized)."""
+        sizes = [len(self.tasks[t].y_train) for t in self.node_tasks(partition_id)]
+        return min(sizes) if self.params.method == "reptile" else sum(sizes)
+
+    def privacy_plan(self, partition_id: int) -> ClientPrivacyPlan:
+        return self.dp_trainer(partition_id).plan(partition_id, self.dp_examples(partition_id))
+
     def preflight(self) -> None:
+        self._check_params()
+        if self.sample_level_dp:
+            for pid in range(self.cfg.num_clients):
+                self.privacy_plan(pid)
+
+    def _check_params(self) -> None:
         p, cfg = self.params, self.cfg
         if p.method not in METHODS:
             raise ConfigError(f"client.params.method must be one of {', '.join(METHODS)}, got {p.method!r}")
@@ -361,6 +421,8 @@ class LoraMetaLearner(Learner):
         return model
 
     def train(self, arrays: StateDict, ctx: NodeContext) -> TrainResult:
+        if self.sample_level_dp:
+            return self._train_private(arrays, ctx)
         p = self.params
         task_ids = self.node_tasks(ctx.partition_id)
         gen = torch.Generator().manual_seed(ctx.seed("lora-meta-batches"))
@@ -379,9 +441,72 @@ class LoraMetaLearner(Learner):
         n = sum(len(self.tasks[t].y_train) for t in task_ids)
         return TrainResult(out, num_examples=n, metrics={"loss": loss, "acc": acc, "adapter_norm": adapter_norm})
 
+    def _train_private(self, arrays: StateDict, ctx: NodeContext) -> TrainResult:
+        """DP-SGD (:class:`privacy.facade.PrivateTrainer`): lora_ml / retrain take ``local_steps`` Poisson
+        batches of the node's pooled task examples ``(x, y, task slot)``; reptile runs one DP-SGD per task."""
+        register_opacus()
+        p, pid = self.params, ctx.partition_id
+        task_ids = self.node_tasks(pid)
+        dp = self.dp_trainer(pid)
+        tally = _Tally()
+        if p.method == "reptile":
+            out, ledger = self._reptile_private(arrays, task_ids, ctx, dp, tally)
+            adapter_norm, loss = 0.0, tally.loss
+        else:
+            adapters = p.method == "lora_ml"
+            model = self._node_model(arrays, ctx, task_ids) if adapters else self._plain(arrays)
+            x = torch.cat([self.tasks[t].x_train for t in task_ids])
+            y = torch.cat([self.tasks[t].y_train for t in task_ids])
+            # slot 0 for the plain model too: Opacus records every forward input, so it must be a tensor
+            slot = (torch.cat([torch.full((len(self.tasks[t].y_train),), s, dtype=torch.long)
+                               for s, t in enumerate(task_ids)]) if adapters else torch.zeros(len(y), dtype=torch.long))
+            params = model.base_parameters() + (model.adapter_parameters() if adapters else [])
+            opt = torch.optim.Adam(params, lr=p.lr, weight_decay=p.weight_decay)
+            result = dp.train_round(model, opt, (x, y, slot), ctx, num_examples=len(y), loss=tally.loss_fn)
+            out, ledger, loss = model.base_state(), result.metrics, result.mean_loss
+            adapter_norm = 0.0
+            if adapters:  # trained by the DP steps only: post-processing of the noised gradients, and node-local
+                ctx.state[STATE_KEY] = ArrayRecord(model.adapter_state())
+                adapter_norm = _adapter_norm(model)
+        n = sum(len(self.tasks[t].y_train) for t in task_ids)
+        metrics = {"loss": loss, "acc": tally.acc, "adapter_norm": adapter_norm, **ledger}
+        return TrainResult(out, num_examples=n, metrics=metrics)
+
+    def _reptile_private(self, arrays: StateDict, task_ids: list[int], ctx: NodeContext, dp: PrivateTrainer,
+                         tally: "_Tally") -> tuple[StateDict, dict[str, float]]:
+        """Reptile under DP: each task's inner SGD is one DP-SGD run on that task's examples only.
+
+        The tasks' examples are disjoint, so an example is in exactly one run: by parallel composition
+        the node's round costs one run's ε (the same plan for every task: equal sizes), and the reply
+        ``θ + ε_r · mean_t(θ_t − θ)`` is post-processing.  Every run starts from the same spent steps
+        and the node's record advances by one run."""
+        p = self.params
+        deltas: list[StateDict] = []
+        spent = ctx.state[DP_STATE] if DP_STATE in ctx.state else None
+        ledger: dict[str, float] = {}
+        after = None
+        for t in task_ids:
+            sub = _TaskContext(ctx.partition_id, ctx.num_partitions, ctx.server_round, ctx.root_seed,
+                               config=ctx.config, task=t)
+            if spent is not None:
+                sub.state[DP_STATE] = spent
+            model = self._plain(arrays)
+            opt = torch.optim.SGD(model.base_parameters(), lr=p.reptile_inner_lr)
+            x, y = self.tasks[t].x_train, self.tasks[t].y_train
+            result = dp.train_round(model, opt, (x, y, torch.zeros(len(y), dtype=torch.long)), sub,
+                                    num_examples=self.dp_examples(ctx.partition_id), loss=tally.loss_fn)
+            tally.add_round(result.mean_loss)
+            ledger, after = result.metrics, sub.state[DP_STATE]
+            deltas.append({k: v - arrays[k] for k, v in model.base_state().items()})
+        ctx.state[DP_STATE] = after
+        eps = self.reptile_step_size(ctx.server_round)
+        return {k: arrays[k] + eps * torch.stack([d[k] for d in deltas]).mean(0) for k in arrays}, ledger
+
     def _plain(self, arrays: StateDict) -> LoraNet:
         model = self.model(0)
         model.load_part(arrays)
+        for q in model.adapter_parameters():  # the empty 0-slot banks: never trained (and no per-sample grads)
+            q.requires_grad_(False)
         return model
 
     def _batch(self, task_ids: list[int], streams: list[Iterator[torch.Tensor]]) -> tuple[torch.Tensor, ...]:
@@ -558,6 +683,44 @@ class LoraMetaLearner(Learner):
         ax2.grid(alpha=0.3)
         fig.tight_layout()
         return fig
+
+
+class _Tally:
+    """The DP loss ``loss(module, (x, y, slot))``: mean cross-entropy over the batch's examples, each
+    through its task's adapter slot (a 0-slot model ignores it); counts accuracy and loss on the side
+    (train diagnostics, released without DP like every learner's train loss: ``privacy/release.py``)."""
+
+    def __init__(self) -> None:
+        self.correct, self.seen, self.rounds = 0, 0, []  # type: ignore[var-annotated]
+
+    def loss_fn(self, module: torch.nn.Module, batch: Any) -> torch.Tensor:
+        x, y, slot = batch
+        logits = module(x, slot)
+        with torch.no_grad():
+            self.correct += int((logits.argmax(1) == y).sum())
+            self.seen += len(y)
+        return F.cross_entropy(logits, y, reduction="sum") / max(len(y), 1)  # 0 on an empty Poisson batch
+
+    def add_round(self, mean_loss: float) -> None:
+        self.rounds.append(mean_loss)
+
+    @property
+    def loss(self) -> float:
+        return float(np.mean(self.rounds)) if self.rounds else math.nan
+
+    @property
+    def acc(self) -> float:
+        return self.correct / self.seen if self.seen else 0.0
+
+
+@dataclass
+class _TaskContext(NodeContext):
+    """A node's context for one task's DP-SGD run (reptile): its own seeds and a scratch state."""
+
+    task: int = 0
+
+    def seed(self, stream: str) -> int:
+        return derive_seed(self.root_seed, stream, self.server_round, self.partition_id, "task", self.task)
 
 
 @torch.no_grad()

@@ -66,12 +66,13 @@ class MultiLoraLinear(nn.Module):
     def forward(self, x: Tensor, slot: Tensor | None = None) -> Tensor:
         """``x``: (n, ..., in); ``slot``: one adapter index per sample n (None or 0 slots: the base alone)."""
         out = F.linear(x, self.weight, self.bias)
+        self._dp_slot = slot  # what the per-sample gradient of this forward pass needs (register_opacus)
         if slot is None or self.slots == 0:
             return out
         if len(slot) != len(x):
             raise ValueError(f"{len(slot)} slot indices for {len(x)} samples")
         n, s_all = len(x), self.slots
-        if n % s_all == 0 and torch.equal(slot, torch.arange(s_all).repeat_interleave(n // s_all)):
+        if n and n % s_all == 0 and torch.equal(slot, torch.arange(s_all).repeat_interleave(n // s_all)):
             # equal contiguous chunks, one per slot (a training batch of every task): two batched matmuls
             chunks = x.reshape(s_all, -1, self.in_features)
             delta = chunks @ self.lora_a.transpose(1, 2) @ self.lora_b.transpose(1, 2)
@@ -182,7 +183,8 @@ class LoraMixer(LoraNet):
         p = self.patch
         b, c, _, _ = x.shape
         patches = x.unfold(2, p, p).unfold(3, p, p)  # b, c, h/p, w/p, p, p
-        patches = patches.permute(0, 2, 3, 4, 5, 1).reshape(b, -1, p * p * c)  # b, n, (p1 p2 c)
+        patches = patches.permute(0, 2, 3, 4, 5, 1)
+        patches = patches.reshape(b, patches.shape[1] * patches.shape[2], p * p * c)  # b, n, (p1 p2 c); b may be 0
         z = self.embed(patches, slot)
         for blk in self.blocks:
             z = z + blk.tokens(blk.norm1(z).transpose(1, 2), slot).transpose(1, 2)
@@ -265,6 +267,45 @@ class _SlotLoraLinear(MultiLoraLinear):
 
     def forward(self, x: Tensor, slot: Tensor | None = None) -> Tensor:
         return super().forward(x, self._owner._slot if slot is None else slot)
+
+
+def _grad_sample(layer: MultiLoraLinear, activations: list[Tensor], backprops: Tensor) -> dict[nn.Parameter, Tensor]:
+    """Opacus' per-sample gradients of a :class:`MultiLoraLinear` (DP-SGD, ``clients.lora_meta``).
+
+    Sample ``i`` (input ``x_i``, output gradient ``g_i``, slot ``s_i``): ``W``: ``g_iᵀ x_i``, ``b``: ``Σ g_i``;
+    its adapter slot ``s_i`` only: ``B``: ``g_iᵀ (x_i A_sᵀ)``, ``A``: ``(g_i B_s)ᵀ x_i`` (every other slot 0).
+    Sums run over any middle dimensions (patches, tokens), as Opacus' ``nn.Linear`` sampler does.
+    """
+    x = activations[0].to(backprops.dtype)
+    g = backprops
+    out: dict[nn.Parameter, Tensor] = {}
+    if layer.weight.requires_grad:
+        out[layer.weight] = torch.einsum("n...o,n...i->noi", g, x)
+    if layer.bias.requires_grad:
+        out[layer.bias] = torch.einsum("n...o->no", g)
+    n = len(x)
+    slot = getattr(layer, "_dp_slot", None)
+    if layer.lora_a.requires_grad or layer.lora_b.requires_grad:
+        ga = torch.zeros((n, *layer.lora_a.shape), dtype=g.dtype)
+        gb = torch.zeros((n, *layer.lora_b.shape), dtype=g.dtype)
+        if slot is not None and layer.slots > 0 and n:
+            a, b = layer.lora_a[slot].detach(), layer.lora_b[slot].detach()  # (n, k, in), (n, out, k)
+            h = torch.einsum("n...i,nki->n...k", x, a)
+            rows = torch.arange(n)
+            gb[rows, slot] = torch.einsum("n...o,n...k->nok", g, h)
+            ga[rows, slot] = torch.einsum("n...k,n...i->nki", torch.einsum("n...o,nok->n...k", g, b), x)
+        if layer.lora_a.requires_grad:
+            out[layer.lora_a] = ga
+        if layer.lora_b.requires_grad:
+            out[layer.lora_b] = gb
+    return out
+
+
+def register_opacus() -> None:
+    """Teach Opacus (hooks mode) the per-sample gradients of the adapter banks (idempotent)."""
+    from opacus.grad_sample import register_grad_sampler
+
+    register_grad_sampler([MultiLoraLinear, _SlotLoraLinear])(_grad_sample)
 
 
 def build(arch: str, image_shape: tuple[int, ...], num_classes: int, rank: int, slots: int, seed: int,

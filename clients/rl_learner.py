@@ -71,6 +71,9 @@ ENV_ARRAYS = ("state", "elapsed", "beyond")
 class RLLearner(Learner):
     """Continual PPO over a gymnasium task stream (see the module docstring)."""
 
+    privacy_unit = ("RL trains on environment trajectories, not a fixed set of private examples: "
+                    "the unit would be an episode, and episode-level DP is not implemented")
+
     owns_environment = True  # the task stream and the actor-critic come from client.params
 
     def __init__(self, cfg: ExperimentConfig, params: RLParams) -> None:

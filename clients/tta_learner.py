@@ -96,6 +96,9 @@ class TTAParams:
 class TTALearner(Learner):
     """Online test-time adaptation of a cached source model; one stream segment per round."""
 
+    privacy_unit = ("test-time adaptation trains on the unlabeled test stream with batch statistics "
+                    "(entropy/BN over a batch couples examples), so no per-example DP-SGD step applies")
+
     def __init__(self, cfg: ExperimentConfig, params: TTAParams) -> None:
         super().__init__(cfg, params)
         self._method: TTAMethod | None = None

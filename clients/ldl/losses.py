@@ -54,3 +54,13 @@ def _mean(per: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
     if per.numel() == 0:
         return per.sum()
     return per.mean() if weight is None else (per * weight).mean()
+
+
+def kl_per_instance(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``KL(target_i ‖ softmax(logits_i))`` of every instance (B,): no term couples instances."""
+    return F.kl_div(F.log_softmax(logits, dim=1), target, reduction="none").sum(dim=1)
+
+
+def prr_per_instance(logits: torch.Tensor, target: torch.Tensor, margin_scale: float) -> torch.Tensor:
+    """The PRR loss of every instance (B,): its label pairs only (the ranking is over labels, not instances)."""
+    return prr_terms(F.softmax(logits, dim=1), target, margin_scale).sum(dim=(1, 2))

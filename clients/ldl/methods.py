@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from clients.ldl.augment import Augment
-from clients.ldl.losses import kl_loss, prr_loss
+from clients.ldl.losses import kl_loss, kl_per_instance, prr_loss, prr_per_instance
 from fedsim.errors import ConfigError
 
 PSEUDO_SOURCES = ("none", "snapshot", "weak", "average")
@@ -161,3 +161,45 @@ def step_loss(model: nn.Module, x_l: torch.Tensor, d_l: torch.Tensor, x_u: torch
     loss = (parts["sup_kl"] + weights.sup_rank_weight * parts["sup_rank"]
             + weights.unsup_weight * (parts["unsup_kl"] + weights.unsup_rank_weight * parts["unsup_rank"]))
     return loss, {**{k: float(v.detach()) for k, v in parts.items()}, "kept": kept}
+
+
+def per_example_loss(model: nn.Module, x: torch.Tensor, target: torch.Tensor, labelled: torch.Tensor,
+                     recipe: Recipe, weights: Weights, augment: Augment,
+                     gen: torch.Generator) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The DP-SGD form of :func:`step_loss`: per-row terms ``ℓ_i`` of one batch mixing labelled and
+    unlabelled rows (``labelled``: a bool per row), returned with their parts (each (B,)).
+
+    Labelled row: ``KL(d_i ‖ f(weak(x_i))) + λ_s PRR_s``; unlabelled row: ``w_u · m_i · (KL(q_i ‖ f(view(x_i)))
+    + λ_u PRR_u)`` with ``q_i`` built from ``x_i`` alone (its weak views under the model, eval mode, no
+    gradient; or ``target`` = the round's snapshot for pseudo=snapshot) and ``m_i`` its own confidence
+    mask.  Every term reads its own row only and the PRR ranks labels within the row, so the mean
+    ``Σ ℓ_i / B`` is a per-example loss.  One forward pass over all rows (each row's view chosen by its
+    flag), as Opacus' per-sample gradients need one batch dimension per pass.
+    """
+    n = len(x)
+    zero = torch.zeros(n)
+    lab = labelled.bool()
+    use_u = recipe.uses_unlabelled and weights.unsup_weight > 0 and bool((~lab).any())
+    q = target
+    if use_u and recipe.pseudo != "snapshot":
+        q = torch.where(lab[:, None], target, pseudo_distributions(model, x, recipe, weights, augment, gen))
+    weak = augment.weak(x, gen)
+    if use_u and recipe.student_view == "strong":
+        shape = (n,) + (1,) * (x.dim() - 1)
+        view = torch.where(lab.view(shape), weak, augment.strong(x, gen))
+    else:
+        view = weak
+    logits = model(view)
+    kl = kl_per_instance(logits, q)
+    parts = {"sup_kl": torch.where(lab, kl, zero), "sup_rank": zero, "unsup_kl": zero, "unsup_rank": zero}
+    if recipe.sup_rank and weights.sup_rank_weight > 0:
+        parts["sup_rank"] = torch.where(lab, prr_per_instance(logits, q, weights.margin_scale), zero)
+    if use_u:
+        mask = (~lab) & (q.max(dim=1).values >= weights.threshold)
+        parts["unsup_kl"] = torch.where(mask, kl, zero)
+        if recipe.unsup_rank != "none" and weights.unsup_rank_weight > 0:
+            scale = weights.margin_scale if recipe.unsup_rank == "margin" else 0.0
+            parts["unsup_rank"] = torch.where(mask, prr_per_instance(logits, q, scale), zero)
+    per = (parts["sup_kl"] + weights.sup_rank_weight * parts["sup_rank"]
+           + weights.unsup_weight * (parts["unsup_kl"] + weights.unsup_rank_weight * parts["unsup_rank"]))
+    return per + 0.0 * logits.sum(dim=1), parts  # always in the graph (zero gradient where every term is off)
