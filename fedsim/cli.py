@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from typing import Any, NoReturn, Sequence
 
 EXIT_USAGE = 2
@@ -78,7 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="fedsim", description="Federated and continual learning simulation platform.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    sub.add_parser("list", help="list the experiments with one-line descriptions")
+    ls = sub.add_parser("list", help="list the experiments, one line each (--long: a table with their kinds)")
+    ls.add_argument("--long", action="store_true",
+                    help="a table with each experiment's kind and whole first description line")
 
     run = sub.add_parser("run", help="run an experiment (a name from `fedsim list` or a YAML path)")
     run.add_argument("experiment", help="experiment name or path/to/experiment.yaml")
@@ -93,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "experiment's tracking.uri (default: sqlite:///mlflow.db in the cwd)")
     run.add_argument("--no-tracking", action="store_true", help="do not record to MLflow")
     run.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    run.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+    run.add_argument("--quiet", action="store_true",
+                     help="no progress bar or summary: stdout gets only the MLflow run id, as `run <id>`")
     run.add_argument("--verbose", action="store_true", help="show Flower/Ray logs")
     run.add_argument("--resume", metavar="RUN_ID", type=_run_id,
                      help="continue an interrupted run from its last checkpoint, in the same MLflow run")
@@ -137,23 +141,46 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def cmd_list() -> int:
-    from rich.console import Console
-    from rich.table import Table
-
+def cmd_list(long: bool = False) -> int:
+    """One line per experiment (name and description, cut to the terminal width); ``long``: the table."""
     from fedsim import config as C
 
-    table = Table(title="fedsim experiments", show_header=True, header_style="bold")
-    table.add_column("name")
-    table.add_column("kind")
-    table.add_column("description")
+    rows = []
     for name in C.list_experiments():
         data = C.read_yaml(C.EXPERIMENTS_DIR / f"{name}.yaml")
         learner = (data.get("client") or {}).get("learner", "supervised")
         kind = f"central: {data['method']}" if "method" in data else f"engine: {learner}"  # centralised = 1 node
-        table.add_row(name, kind, str(data.get("description", "")).strip().split("\n")[0])
-    Console().print(table)
+        rows.append((name, kind, str(data.get("description", "")).strip().split("\n")[0]))
+    if long:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title="fedsim experiments", show_header=True, header_style="bold")
+        table.add_column("name")
+        table.add_column("kind")
+        table.add_column("description")
+        for name, kind, description in rows:
+            table.add_row(name, kind, description)
+        Console().print(table)
+        return 0
+    width = shutil.get_terminal_size().columns  # $COLUMNS, the terminal, else 80
+    pad = max((len(name) for name, _, _ in rows), default=0)
+    try:
+        for name, _, description in rows:
+            sys.stdout.write(_fit(f"{name:<{pad}}  {description}".rstrip(), width) + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:  # `fedsim list | head`: the reader left; no traceback at exit either
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
+
+
+def _fit(line: str, width: int) -> str:
+    """``line`` cut to ``width`` terminal cells, ending in "…" where it was cut."""
+    from rich.cells import cell_len, set_cell_size
+
+    if cell_len(line) <= width:
+        return line
+    return set_cell_size(line, max(width - 1, 0)).rstrip() + "…"
 
 
 def _apply_eps(cfg: Any, eps: float | None) -> None:
@@ -191,21 +218,31 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.print_config:
         Console().print(C.to_yaml(cfg), markup=False, highlight=False)
         return 0
-    from fedsim.progress import RoundProgress, summary_table  # torch, Flower: not for --print-config
-    from fedsim.runner import run_experiment
+    from fedsim.progress import RoundProgress, summary_table
 
+    started = getattr(args, "started", None) or time.perf_counter()
     label = f"{cfg.name} · {cfg.strategy.name} · {cfg.engine.name}"
     if args.quiet:
+        from fedsim.runner import run_experiment
+
         summary = run_experiment(cfg, tracking_uri=args.tracking_uri, resume_run_id=args.resume)
     else:
-        with RoundProgress(cfg.rounds, label, console) as progress:
+        with RoundProgress(cfg.rounds, label, console, started=started) as progress:
+            progress.on_phase("loading torch and Flower")
+            from fedsim.runner import run_experiment  # torch, Flower: not for --print-config
+
             summary = run_experiment(cfg, observers=[progress], tracking_uri=args.tracking_uri,
                                      resume_run_id=args.resume)
-    extra = {"wall time": f"{summary.wall_seconds:.1f} s"}
+    total = time.perf_counter() - started
+    if args.quiet:  # scripts capture the run id: `run <id>`, the one line on stdout
+        if summary.run_id:
+            print(f"run {summary.run_id}", flush=True)
+        return 0
+    extra = {"wall time (total)": f"{total:.1f} s", "wall time (engine + rounds)": f"{summary.wall_seconds:.1f} s"}
     if summary.run_id:
         extra.update({"mlflow run": summary.run_id, "tracking uri": summary.tracking_uri or ""})
     console.print(summary_table(f"{cfg.name}: final round {cfg.rounds}", summary.history, extra))
-    if summary.run_id and not args.quiet:
+    if summary.run_id:
         console.print("Open the results with [bold]fedsim ui[/bold].")
     return 0
 
@@ -221,6 +258,7 @@ def _check_checkpoint_dir(cfg: Any) -> None:
 
 def cmd_run_central(args: argparse.Namespace) -> int:
     """``fedsim run <method>`` for a centralised-track experiment."""
+    started = getattr(args, "started", None) or time.perf_counter()
     from rich.console import Console
     from rich.table import Table
 
@@ -243,12 +281,17 @@ def cmd_run_central(args: argparse.Namespace) -> int:
         return 0
     console.print(f"[bold]{cfg.name}[/bold] · {cfg.method}: {cfg.description}", highlight=False)
     summary = run_central(cfg, tracking_uri=args.tracking_uri, show_progress=not args.quiet)
+    if args.quiet:  # as for federated runs: the run id, the one line on stdout
+        if summary.run_id:
+            print(f"run {summary.run_id}", flush=True)
+        return 0
     table = Table(title=f"{cfg.name}: headline metrics", header_style="bold")
     table.add_column("metric")
     table.add_column("value", justify="right")
     for key, value in summary.metrics.items():
         table.add_row(key, f"{value:.4g}")
-    table.add_row("wall time", f"{summary.wall_seconds:.1f} s")
+    table.add_row("wall time (total)", f"{time.perf_counter() - started:.1f} s")
+    table.add_row("wall time (method)", f"{summary.wall_seconds:.1f} s")
     if summary.run_id:
         table.add_row("mlflow run", summary.run_id)
     console.print(table)
@@ -422,11 +465,29 @@ def _stop_group(proc: subprocess.Popen) -> None:
             return
 
 
+def _command_start(argv: Sequence[str] | None) -> float:
+    """The ``time.perf_counter()`` at which this command started: the process start for the ``fedsim``
+    command itself (``argv`` None: interpreter start-up and imports count too), else now."""
+    now = time.perf_counter()
+    if argv is None:
+        try:
+            with open("/proc/self/stat") as f:
+                ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: start time, clock ticks after boot
+            age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+            if 0.0 <= age < 3600.0:
+                return now - age
+        except (OSError, ValueError, IndexError, AttributeError):
+            pass
+    return now
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from fedsim.errors import FedsimError
 
+    started = _command_start(argv)
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    args.started = started
     if args.command in ("run", "reproduce", "sweep"):  # overrides may come after flags: collect the key=value leftovers
         args.overrides = [*args.overrides, *(e for e in extra if "=" in e and not e.startswith("-"))]
         extra = [e for e in extra if e not in args.overrides]
@@ -437,7 +498,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     quiet_third_party(verbose=getattr(args, 'verbose', False))
     try:
         if args.command == "list":
-            return cmd_list()
+            return cmd_list(args.long)
         if args.command == "run":
             return cmd_run(args)
         if args.command == "reproduce":

@@ -46,9 +46,11 @@ class Entry(Generic[T]):
 class Registry(Generic[T]):
     """A named table of components of one kind, filled lazily from the manifest."""
 
-    def __init__(self, kind: str, modules: Mapping[str, str] | None = None) -> None:
-        """``modules`` (``name -> module``) defaults to the manifest's table for ``kind``."""
+    def __init__(self, kind: str, modules: Mapping[str, str] | None = None, *, plural: str | None = None) -> None:
+        """``modules`` (``name -> module``) defaults to the manifest's table for ``kind``; ``plural`` is
+        the kind's plural in messages (default: ``kind`` + "s", e.g. "strategy" needs "strategies")."""
         self.kind = kind
+        self.plural = plural or f"{kind}s"
         self._entries: dict[str, Entry[T]] = {}
         self._modules: Mapping[str, str] = plugins.modules(kind) if modules is None else modules
 
@@ -83,7 +85,7 @@ class Registry(Generic[T]):
         """Raise the unknown-name :class:`ConfigError` unless ``name`` is known; imports nothing."""
         if name not in self:
             known = ", ".join(self.names()) or "none"
-            raise ConfigError(f"unknown {self.kind} {name!r}; known {self.kind}s: {known}")
+            raise ConfigError(f"unknown {self.kind} {name!r}; known {self.plural}: {known}")
 
     def get(self, name: str) -> T:
         return self.entry(name).obj
@@ -166,13 +168,13 @@ def _first_line(obj: Any) -> str:
     return (getattr(obj, "__doc__", None) or "").strip().split("\n")[0]
 
 
-STRATEGIES: Registry[Any] = Registry("strategy")
-LEARNERS: Registry[Any] = Registry("learner")
-DATASETS: Registry[Any] = Registry("dataset")
-MODELS: Registry[Any] = Registry("model")
-PARTITIONERS: Registry[Any] = Registry("partitioner")
-CENTRAL: Registry[Any] = Registry("centralised method")
-ENGINES: EngineRegistry = EngineRegistry("engine")
+STRATEGIES: Registry[Any] = Registry("strategy", plural="strategies")
+LEARNERS: Registry[Any] = Registry("learner", plural="learners")
+DATASETS: Registry[Any] = Registry("dataset", plural="datasets")
+MODELS: Registry[Any] = Registry("model", plural="models")
+PARTITIONERS: Registry[Any] = Registry("partitioner", plural="partitioners")
+CENTRAL: Registry[Any] = Registry("centralised method", plural="centralised methods")
+ENGINES: EngineRegistry = EngineRegistry("engine", plural="engines")
 
 #: Every registry, for listings and the manifest test.
 REGISTRIES: tuple[Registry[Any], ...] = (STRATEGIES, LEARNERS, DATASETS, MODELS, PARTITIONERS, CENTRAL, ENGINES)

@@ -74,6 +74,7 @@ def run_experiment(
     ``resume_run_id`` continues that run from its last checkpoint, logging into the same MLflow run.
     """
     quiet_third_party(cfg.engine.verbose)
+    _phase(observers, "checking the config")
     if cfg.tracking.enabled:  # flag > $MLFLOW_TRACKING_URI > the file's tracking.uri; checked before anything starts
         from fedsim.tracking import resolve_tracking_uri
 
@@ -82,17 +83,22 @@ def run_experiment(
     preflight(spec)
     held, resume = _load_resume(cfg, resume_run_id) if resume_run_id else (None, None)
     try:  # the resumed run's lock is held from here: let it go if the run does not start
+        sample_dp = cfg.privacy.enabled and cfg.privacy.level == "sample"
+        _phase(observers, "loading data, calibrating DP noise" if sample_dp else "loading data")
         learner = get_learner(spec)
         # Build data now, so data errors surface before an MLflow run exists.
         learner.preflight()
         withheld = cfg.privacy.enabled and cfg.privacy.release == "strict"  # privacy/release.py
         setup = {} if withheld else learner.setup_summary()
+        if cfg.privacy.enabled and not sample_dp:
+            _phase(observers, "calibrating DP noise")
         ledger = _privacy_ledger(cfg, learner, setup)
         history = History()
         recorder = None
         if cfg.tracking.enabled:
             from fedsim.tracking import MlflowRecorder, git_commit
 
+            _phase(observers, "opening the MLflow run")
             if resume_run_id:
                 recorder = MlflowRecorder.reopen(tracking_uri, resume_run_id)
             else:
@@ -116,6 +122,7 @@ def run_experiment(
     settled = checkpoint_dir or held
     with tracked_run(recorder, on_end=lambda status: _settle_checkpoint(cfg, settled, status, run_id)):
         if recorder is not None and resume is None:
+            _phase(observers, "recording the config to MLflow")
             params = C.flatten(C.to_container(cfg))
             if learner.owns_environment:  # its data and model live in client.params: cfg.data / cfg.model are unused
                 params = {k: v for k, v in params.items() if not k.startswith(("data.", "model."))}
@@ -137,6 +144,7 @@ def run_experiment(
                 _log_missing_rounds(recorder, resume.records)
                 recorder.set_tag("fedsim.resumed_from_round", str(resume.round))
         server_kwargs = {"checkpoints": checkpoint_dir, "resume": resume} if checkpoint_dir or resume else {}
+        _phase(observers, f"starting the {cfg.engine.name} engine")
         result = _engine(cfg.engine.name)(spec, all_observers, **server_kwargs)
         report, report_files = learner.final_report(history, recorder.artifact_dir if recorder else None)
         if report and history.records:
@@ -154,6 +162,14 @@ def run_experiment(
                       recorder.uri if recorder else None, ledger)
 
 
+def _phase(observers: list[Any] | None, name: str) -> None:
+    """Tell the observers that have an ``on_phase(name)`` (the progress display) what the run does now."""
+    for obs in observers or []:
+        on_phase = getattr(obs, "on_phase", None)
+        if on_phase is not None:
+            on_phase(name)
+
+
 def _checkpoint_dir(cfg: C.ExperimentConfig, run_id: str | None, held: Any = None) -> Any:
     """Where this run checkpoints, a :class:`~fedsim.engine.checkpoint.CheckpointDir` (None: checkpoints
     off, untracked, or an engine that cannot); ``held`` is the resumed run's, already locked."""
@@ -169,8 +185,9 @@ def _checkpoint_path(cfg: C.ExperimentConfig, run_id: str) -> Path:
 
 
 def _settle_checkpoint(cfg: C.ExperimentConfig, checkpoints: Any, status: str, run_id: str | None) -> None:
-    """Remove a finished run's checkpoint (unless kept), tell how to resume an unfinished one, drop the
-    lock, and remove the checkpoint root if the run left it empty."""
+    """Remove a finished run's checkpoint (unless kept), tell how to resume an unfinished one (or remove
+    its directory if it stopped before its first checkpoint), drop the lock, and remove the checkpoint
+    root if the run left it empty."""
     if checkpoints is None:
         return
     directory = checkpoints.path
@@ -181,6 +198,8 @@ def _settle_checkpoint(cfg: C.ExperimentConfig, checkpoints: Any, status: str, r
 
         logging.getLogger("fedsim").warning("run %s stopped (%s); continue it with: fedsim run %s --resume %s",
                                             run_id, status, cfg.name, run_id)
+    elif status != "FINISHED":  # stopped before its first checkpoint: nothing to resume, only a lock (if that)
+        shutil.rmtree(directory, ignore_errors=True)
     checkpoints.release()
     with contextlib.suppress(OSError):  # only if empty: other runs' checkpoints stay
         directory.parent.rmdir()

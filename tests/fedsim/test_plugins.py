@@ -99,7 +99,8 @@ def test_unknown_strategy_message_lists_manifest_names() -> None:
     """)
     assert proc.returncode == 2
     known = ", ".join(sorted(plugins.BUILTINS["strategy"]))
-    assert f"unknown strategy 'fedadamx'; known strategys: {known}" in proc.stderr
+    assert f"unknown strategy 'fedadamx'; known strategies: {known}" in proc.stderr
+    assert "strategys" not in proc.stderr
 
 
 def test_lookup_imports_only_its_module() -> None:
