@@ -15,11 +15,15 @@ without replacement), and fedsim does not offer it (``privacy.amplify_client_sam
 from __future__ import annotations
 
 import functools
+import json
 import math
 import warnings
+from pathlib import Path
+from typing import Any
 
 from opacus.accountants.utils import create_accountant, get_noise_multiplier
 
+from fedsim.cache import atomic_write_bytes, cache_dir, key_of
 from fedsim.errors import ConfigError
 
 
@@ -55,7 +59,42 @@ def calibrate_noise(target_epsilon: float, delta: float, sample_rate: float, ste
 
     Targets above :data:`PRV_MAX_TARGET` are calibrated with the RDP accountant and a relative
     tolerance (0.1 % of ε), so even the largest accepted ε (1e3) calibrates in seconds.
+
+    The search costs seconds (a 16 s share of a one-round DP run), so its result is also kept on
+    disk (``$FEDSIM_CACHE/dp-sigma``, keyed by the arguments and Opacus' version); a cached σ is
+    used only after one accountant call confirms ε(σ) ≤ target again, so a stale or damaged entry
+    can cost time, never privacy.
     """
+    path = _sigma_path(target_epsilon, delta, sample_rate, steps, accountant)
+    cached = _read_sigma(path)
+    if cached is not None and epsilon_for(cached, sample_rate, steps, delta, _used(accountant, target_epsilon)) \
+            <= target_epsilon:
+        return cached
+    sigma = _search_noise(target_epsilon, delta, sample_rate, steps, accountant)
+    atomic_write_bytes(path, json.dumps({"sigma": sigma}).encode())
+    return sigma
+
+
+def _used(accountant: str, target_epsilon: float) -> str:
+    """The accountant the calibration uses (RDP above :data:`PRV_MAX_TARGET`)."""
+    return "rdp" if accountant == "prv" and target_epsilon > PRV_MAX_TARGET else accountant
+
+
+def _sigma_path(*args: Any) -> Path:
+    import opacus
+
+    return cache_dir() / "dp-sigma" / f"{key_of('calibrate_noise-v1', opacus.__version__, *args)}.json"
+
+
+def _read_sigma(path: Path) -> float | None:
+    try:
+        sigma = float(json.loads(path.read_text())["sigma"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return sigma if math.isfinite(sigma) and sigma > 0 else None
+
+
+def _search_noise(target_epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str) -> float:
     if accountant == "prv" and target_epsilon > PRV_MAX_TARGET:
         accountant = "rdp"
     tolerance = max(0.01, 1e-3 * target_epsilon)

@@ -62,3 +62,27 @@ def test_ledger_csv_columns(tmp_path) -> None:
     text = ledger.write_csv(tmp_path / "privacy_ledger.csv").read_text().splitlines()
     assert text[0] == "client,rounds,steps,sample_rate,noise_multiplier,delta,epsilon"
     assert text[2].startswith("1,1,5,0.2,1.5,1e-05,")
+
+
+def test_calibrated_sigma_is_cached_on_disk_and_checked(tmp_path, monkeypatch) -> None:
+    """A second process reuses the σ found by the search; a cached σ too small for the target is not used."""
+    import json
+
+    from privacy import accounting as A
+
+    monkeypatch.setenv("FEDSIM_CACHE", str(tmp_path))
+    args = (2.0, 1e-5, 0.05, 40, "rdp")
+    A.calibrate_noise.cache_clear()
+    sigma = A.calibrate_noise(*args)
+    (entry,) = (tmp_path / "dp-sigma").glob("*.json")
+    assert json.loads(entry.read_text()) == {"sigma": sigma}
+    entry.write_text(json.dumps({"sigma": sigma * 1.5}))  # a different, still valid, cached value is used as is
+    A.calibrate_noise.cache_clear()
+    assert A.calibrate_noise(*args) == sigma * 1.5
+    entry.write_text(json.dumps({"sigma": sigma / 3}))  # too little noise for the target: searched again
+    A.calibrate_noise.cache_clear()
+    assert A.calibrate_noise(*args) == sigma
+    entry.write_text("not json")
+    A.calibrate_noise.cache_clear()
+    assert A.calibrate_noise(*args) == sigma
+    A.calibrate_noise.cache_clear()
