@@ -13,7 +13,8 @@ The algorithm, per generated block
    that target token, longest match first (e.g. 'Ġf' + 'la' + 'ke' → 'Ġflake'); any other draft token
    maps to the target token with the same text (the vocabulary intersection, all UAG has).  A draft
    token with neither stops the translation.  Proposals: m ≤ k target tokens.
-3. **q′ [R]**: q′(t) = q(d) for a direct token, q′(t) = ∏_j q(d_j) for a merged one.
+3. **q′ [R]**: q′(t) = q(d) for a direct token, q′(t) = ∏_j q(d_j) for a merged one (the paper's;
+   greedy verification does not need it, and sampling uses the exact Q of ``exact.py`` instead).
 4. **Verification in the target vocabulary**: one target forward over [last token, t₁…t_m] (KV
    cached).  Sampling: accept tᵢ with probability min(1, p(tᵢ)/q′(tᵢ)); at the first rejection draw
    from the normalised residual (p − q̃)₊; a bonus token from p when all m are accepted [I: the
@@ -37,9 +38,8 @@ The stream: the first ``prompt_tokens`` target tokens of held-out stdlib files, 
 
 [I] choices and the parameters that switch them
 -----------------------------------------------
-* acceptance min(1, p/q′) with residual resampling — the rule itself (``mode=sample``); the residual
-  uses q̃ = the drafter's one-step distribution pushed through the direct map, with a merged
-  proposal's mass ∏q moved from its first draft token's image to the merged token;
+* acceptance min(1, p/Q) with residual resampling (``mode=sample``), Q the exact proposal
+  probability of the path-local walk (``exact.py``; deviates from greedy longest-match translation);
 * cache filled from committed target tokens (``cache_prompt``: also from the prompt's tokens);
 * KD target: ``kd_target`` = ``intersection`` (p on same-text tokens, renormalised) or ``first_token``
   (each target token's mass on the first draft token of its spelling); n-gram term: ``ngram_loss`` =
@@ -58,13 +58,21 @@ Deviations and caveats (deliberate)
   dominates), so the wall-clock speed-up is reported but accepted tokens per target call is the
   scale-free measure.
 * Exactness: greedy verification is exactly lossless for every variant (tested token for token).
-  Speculative sampling is exactly lossless for (a), whose proposal distribution is known in closed
-  form (an untranslatable draft token is a proposal of "nothing" and always rejected).  With merged
-  n-gram proposals (b-d) the true proposal distribution of a target position would need the drafter
-  on every cache branch; like the paper, q′ = ∏q and the residual uses the estimate q̃ above, so
-  sampling is lossless only up to that estimate — the run measures it (chi-square on the first
-  emitted token, ``dist_samples`` draws).  That check drafts without the head (its stop rule only
-  truncates the draft after a sampled token, which keeps the rule exact).
+  Speculative sampling is exact for every variant (issue #26).  It used to translate the draft by
+  greedy longest match and verify with the single-path q′ = ∏q and an estimated residual, which is
+  not the probability that the procedure proposes the target token (a direct proposal d→t is made
+  only when no cache entry starting with d completed, and the breaking token was reused by the next
+  proposal): χ² p ≈ 1e-57 with 20,000 draws.  Sampling now drafts and translates with the path-local
+  walk of :mod:`central.omnidraft.exact` (a look-ahead token is discarded, never reused), whose
+  proposal probability Q(t) — summed over the direct twin and the cache key of t — needs only the
+  drafter rows along those paths; the residual (p − Q)₊ is drawn by rejection from point values of Q.
+  The draft budget k and the head are checked only between proposals (a proposal started before the
+  budget runs out is finished: a block may consume up to k − 1 + ``ngram_max`` draft tokens).  The
+  translation therefore differs from greedy mode's, and so do sampling-mode acceptance numbers.
+  A second bias was found and fixed on the way: a block cut by the requested length kept an
+  untranslatable draft token at the last allowed position and drew it from the residual.  The
+  check (``dist_samples``) runs the decoder's own code on a toy world with a closed-form target —
+  positions 1-3 and the pair (1, 2), chi-square and TV, plus the pre-fix sampler as a negative control.
 * After each distillation step the drafter's KV cache is rebuilt (its weights changed); the
   target's cache is always reused (cropped to the accepted prefix on rejection).
 * The drafter's context is the draft-token spelling of the committed text built incrementally

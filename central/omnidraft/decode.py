@@ -6,6 +6,11 @@ prefix) and the next forward feeds only the tokens the cache lacks.  :class:`Spe
 variant: draft up to k draft tokens → translate (direct map, plus the n-gram cache) → one target
 forward over [last token, proposals] → verify → extend both contexts → fill the cache → (online)
 one distillation step and one head update.
+
+Greedy decoding drafts k tokens and translates them by greedy longest match (:func:`translate`).
+Speculative sampling instead drafts and translates together with the path-local walk of
+:mod:`central.omnidraft.exact` (no look-ahead token reused, the head consulted only between
+proposals), so that the acceptance ratio and the residual use the exact proposal probability.
 """
 
 from __future__ import annotations
@@ -16,9 +21,10 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from central.omnidraft.exact import Path, draft_exact, full_mass, mass
 from central.omnidraft.online import AcceptanceHead, OnlineDistiller, TrainItem
-from central.omnidraft.verify import Verdict, verify_greedy, verify_sample
-from central.omnidraft.vocab import NgramCache, Proposal, VocabBridge, proposal_q, residual_q, translate
+from central.omnidraft.verify import QRes, Verdict, sample_index, verify_greedy, verify_sample
+from central.omnidraft.vocab import NgramCache, Proposal, VocabBridge, translate
 
 
 class CachedLM:
@@ -130,6 +136,31 @@ class Draft:
     feats: list[torch.Tensor] = field(default_factory=list)  # head features (variant d)
     head_probs: list[float] = field(default_factory=list)  # the head's P(accept) per fed token (variant d)
     head_stop: bool = False
+    rows: "DrafterRows | None" = None  # sampling: the drafter's distributions at every state it visited
+    sampled: int = 0  # sampling: draft tokens sampled (discarded look-ahead tokens included)
+
+
+class DrafterRows:
+    """q(·|context + prefix) on demand, memoised; a KV-cached drafter forward for a state not yet seen."""
+
+    def __init__(self, lm: "CachedLM", context: list[int], temperature: float, hidden: bool) -> None:
+        self.lm, self.context, self.temperature, self.hidden = lm, list(context), temperature, hidden
+        self.q: dict[Path, torch.Tensor] = {}
+        self.h: dict[Path, torch.Tensor] = {}
+
+    def __call__(self, prefix: Path) -> torch.Tensor:
+        got = self.q.get(prefix)
+        if got is None:
+            self.lm.set_ids(self.context + list(prefix))
+            logits, hidden = self.lm.forward(hidden=self.hidden)
+            got = self.q[prefix] = probs(logits[-1], self.temperature)
+            if hidden is not None:
+                self.h[prefix] = hidden[-1]
+        return got
+
+    def hidden_at(self, prefix: Path) -> torch.Tensor:
+        self(prefix)
+        return self.h[prefix]
 
 
 def probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -181,13 +212,19 @@ class SpecDecoder:
             context = context[-(window // 2):]
             self.drafter.set_ids(context)
         base = len(context)
-        draft = self.draft(gen)
-        props, stuck = translate(draft.tokens, self.bridge, self.cache)
-        if len(props) > remaining - 1:  # never propose past the requested length (a prefix: still exact)
+        if self.cfg.greedy:
+            draft = self.draft(gen)
+            props, stuck = translate(draft.tokens, self.bridge, self.cache)
+        else:
+            draft, props, stuck = self.draft_sampling(context, gen, max_props=remaining - 1)
+        # Never propose past the requested length: position `remaining` gets no proposal, whatever the
+        # draft had there — a real token *or* an untranslatable one (⊥).  (Keeping ⊥ there, as the
+        # code once did, drew that position from the residual only when the draft happened to be stuck:
+        # a bias the powered exactness check found.)
+        if len(props) + int(stuck) > remaining - 1:
             props, stuck = props[: remaining - 1], False
         m = len(props)
-        self.target.set_ids(committed + [p.target for p in props])
-        logits = self.target.forward()[0][-(m + 1):]
+        logits = self._target_logits(committed + [p.target for p in props], m)
         p = probs(logits, self.cfg.temperature)
         verdict = self.verify(p, logits, props, draft, stuck, gen)
         n = verdict.accepted
@@ -213,6 +250,52 @@ class SpecDecoder:
         return new, context, items
 
     # -- drafting and verification -------------------------------------------------------------------
+    def _target_logits(self, ids: list[int], m: int) -> torch.Tensor:
+        """The target's logits at the last m + 1 positions of ``ids`` (one KV-cached forward)."""
+        self.target.set_ids(ids)
+        self.target._crop(len(ids) - m - 1)  # the forward must cover the last committed token (a warm cache may hold it)
+        return self.target.forward()[0][-(m + 1):]
+
+    def _rows(self, context: list[int]) -> DrafterRows:
+        return DrafterRows(self.drafter, context, self.cfg.temperature, hidden=self.head is not None)
+
+    def draft_sampling(self, context: list[int], gen: torch.Generator,
+                       max_props: int | None = None) -> tuple[Draft, list[Proposal], bool]:
+        """Draft and translate with the exact walk (:func:`draft_exact`); the head stops only between walks."""
+        rows = self._rows(context)
+        out = Draft(rows=rows)
+        head, cumulative = self.head, [1.0]
+
+        def sample(q: torch.Tensor) -> int:
+            return sample_index(q, gen)
+
+        def feed(tokens: Path) -> None:  # head features and predictions for the newly consumed tokens
+            assert head is not None
+            for j in range(len(out.feats), len(tokens)):
+                feats = head.features(rows.hidden_at(tokens[: j + 1]), rows(tokens[:j]), tokens[j])
+                out.feats.append(feats)
+                out.head_probs.append(head.prob(feats))
+                cumulative[0] *= out.head_probs[-1]
+
+        def stop(tokens: Path) -> bool:
+            feed(tokens)
+            score = cumulative[0] if self.cfg.head_rule == "cumulative" else out.head_probs[-1]
+            return score < self.cfg.head_threshold
+
+        ex = draft_exact(rows, sample, self.cfg.k, self.bridge, self.cache, stop if head is not None else None,
+                         max_props=max_props)
+        out.tokens, out.sampled, out.head_stop = ex.tokens, ex.sampled, ex.head_stop
+        if head is not None:  # features up to the first untranslatable token (its label is 0)
+            end = sum(pr.n for pr in ex.props)
+            feed(tuple(ex.tokens[: min(len(ex.tokens), end + 1)]))
+        return out, ex.props, ex.stuck
+
+    def _qres(self, rows: DrafterRows, s: Path) -> QRes:
+        """Q(·|s) for the residual: a vector without an n-gram cache, else t ↦ Q(t) (exact, path-local)."""
+        if not self.cache and isinstance(rows(s), torch.Tensor):  # (table rows of the toy check: points)
+            return full_mass(s, rows, self.bridge, self.bridge.target_vocab)
+        return lambda t: mass(t, s, rows, self.bridge, self.cache)
+
     def draft(self, gen: torch.Generator) -> Draft:
         """Up to k draft tokens (fewer when the acceptance head says stop); tokens fed as they come."""
         out = Draft()
@@ -245,13 +328,14 @@ class SpecDecoder:
         targets = [pr.target for pr in props]
         if self.cfg.greedy if greedy is None else greedy:
             return verify_greedy(logits, targets)
-        q_rows = torch.stack(draft.q) if draft.q else torch.zeros(0)
-        qprime = [proposal_q(q_rows, draft.tokens, pr) for pr in props]
-        qres = [residual_q(draft.q[pr.start], self.bridge,
-                           (pr.target, int(self.bridge.d2t[draft.tokens[pr.start]]), qp) if pr.merged else None)
-                for pr, qp in zip(props, qprime)]
-        if stuck:  # the draft token after the last proposal had no translation: a proposal of "nothing"
-            qres.append(residual_q(draft.q[sum(pr.n for pr in props)], self.bridge))
+        rows = draft.rows
+        if rows is None:
+            raise ValueError("speculative sampling needs a draft from draft_sampling (the exact walk)")
+        states = [tuple(draft.tokens[: pr.start]) for pr in props]
+        qprime = [mass(pr.target, s, rows, self.bridge, self.cache) for pr, s in zip(props, states)]
+        qres = [self._qres(rows, s) for s in states]
+        if stuck:  # the walk after the last proposal ended in ⊥: a proposal of "nothing"
+            qres.append(self._qres(rows, tuple(draft.tokens[: sum(pr.n for pr in props)])))
         return verify_sample(p, targets, qprime, qres, "reject" if stuck else "bonus", gen)
 
     # -- online parts and bookkeeping ------------------------------------------------------------------
@@ -279,7 +363,7 @@ class SpecDecoder:
 
     def _count(self, stats: Stats, draft: Draft, props: list[Proposal], stuck: bool, n: int, used: int) -> None:
         stats.blocks += 1
-        stats.draft_tokens += len(draft.tokens)
+        stats.draft_tokens += draft.sampled or len(draft.tokens)
         stats.proposals += len(props)
         stats.accepted += n
         stats.accepted_draft_tokens += used
@@ -310,4 +394,4 @@ def target_only(target: CachedLM, prompt: list[int], new_tokens: int, *, greedy:
     return out, time.perf_counter() - start, target.calls - calls
 
 
-__all__ = ["CachedLM", "SpecDecoder", "Variant", "VARIANTS", "DecodeConfig", "Stats", "target_only"]
+__all__ = ["CachedLM", "DrafterRows", "SpecDecoder", "Variant", "VARIANTS", "DecodeConfig", "Stats", "target_only"]

@@ -89,6 +89,13 @@ class VocabBridge:
     def target_vocab(self) -> int:
         return len(self.target_bytes)
 
+    @property
+    def t2d(self) -> dict[int, int]:
+        """Target id -> the draft id with the same bytes (the inverse of the direct map)."""
+        if not hasattr(self, "_t2d"):
+            self._t2d = {int(t): d for d, t in enumerate(self.d2t.tolist()) if t >= 0}
+        return self._t2d
+
     def intersection(self) -> int:
         """How many draft tokens have a target token of the same text."""
         return int((self.d2t >= 0).sum())
@@ -122,6 +129,9 @@ class NgramCache:
         self.max_n = max_n
         self.entries: dict[tuple[int, ...], int] = {}
         self.hits: dict[tuple[int, ...], int] = {}
+        # the trie of the keys: every non-empty prefix of a key is a node; children[node] = next draft tokens
+        self.children: dict[tuple[int, ...], set[int]] = {}
+        self.keys_of: dict[int, list[tuple[int, ...]]] = {}  # target id -> its keys
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -131,7 +141,14 @@ class NgramCache:
         if not 2 <= len(spelling) <= self.max_n or spelling in self.entries:
             return False
         self.entries[spelling] = target_id
+        self.keys_of.setdefault(target_id, []).append(spelling)
+        for j in range(len(spelling)):
+            self.children.setdefault(spelling[:j], set()).add(spelling[j])
         return True
+
+    def is_node(self, path: tuple[int, ...]) -> bool:
+        """Whether ``path`` (non-empty) is a prefix of some key (a key itself included)."""
+        return path in self.children or path in self.entries
 
     def match(self, drafts: list[int], start: int) -> tuple[int, int] | None:
         """The longest entry starting at ``drafts[start]``: (target id, its length), or None."""
@@ -178,13 +195,21 @@ def translate(drafts: list[int], bridge: VocabBridge, cache: NgramCache | None) 
 
 
 def proposal_q(q_rows: torch.Tensor, drafts: list[int], prop: Proposal) -> float:
-    """q′ of a proposal: q(d) for a direct token, ∏ q(d_j) over the run for a merged one."""
+    """The single-path q′ of a proposal: q(d) for a direct token, ∏ q(d_j) over the run for a merged one.
+
+    Not the probability with which greedy longest-match translation proposes the target token (that
+    also depends on the continuations that would have merged, and on every other path to the same
+    token): speculative sampling no longer uses it (see :mod:`central.omnidraft.exact`); kept for the
+    negative control of the exactness check and for the online parts' n-gram likelihood.
+    """
     idx = torch.arange(prop.start, prop.start + prop.n)
     return float(q_rows[idx, torch.tensor(drafts[prop.start : prop.start + prop.n])].prod())
 
 
 def residual_q(q_row: torch.Tensor, bridge: VocabBridge, merged: tuple[int, int, float] | None = None) -> torch.Tensor:
     """The drafter's one-step distribution pushed into the target vocabulary (unmapped mass dropped).
+
+    (The old, inexact residual estimate for merged proposals; kept for the negative control.)
 
     ``merged`` = (merged target id, direct target id of the run's first draft token or -1, q′): the
     merged proposal's mass q′ = ∏q is moved from the first draft token's direct image to the merged

@@ -9,7 +9,7 @@ import pytest
 import torch
 from scipy import stats as st
 
-from central.omnidraft.checks import chi_square, first_token_samples
+from central.omnidraft.checks import chi_square
 from central.omnidraft.decode import CachedLM, target_only
 from central.omnidraft.method import OmniDraftParams, build_decoder, check, load_models, stream_prompts
 from central.omnidraft.online import TrainItem
@@ -20,7 +20,7 @@ from fedsim.cli import main
 from fedsim.errors import ConfigError
 
 SMALL = OmniDraftParams(target_preset="test", target_vocab=1024, drafter_preset="test", dtype="float64",
-                        prompts=2, prompt_tokens=24, new_tokens=20, k=4, dist_samples=600, dist_prompt_tokens=12)
+                        prompts=2, prompt_tokens=24, new_tokens=20, k=4, dist_samples=600)
 
 
 class _Ctx:
@@ -177,15 +177,16 @@ def _one_block(p: torch.Tensor, q: torch.Tensor, gen: torch.Generator) -> int:
     return t if v.accepted else v.token
 
 
-def test_first_emitted_token_of_variant_a_matches_the_target(models) -> None:
+def test_first_emitted_token_of_variant_b_with_real_models_matches_the_target(models) -> None:
+    """The real tiny models through the real decoder (generate, one token): the first token ~ p."""
     m, bridge, prompts = models
-    params = replace(SMALL, mode="sample")
-    dec = build_decoder("a", m, bridge, params, _Ctx())
+    dec = build_decoder("b", m, bridge, replace(SMALL, mode="sample"), _Ctx())
     prompt = prompts[0][1][:12]
-    draws, p = first_token_samples(dec, prompt, bridge.target_text(prompt).decode(), 2000, torch.Generator().manual_seed(3))
+    dec._fill_cache(prompts[0][1])
+    p = torch.softmax(m.target(input_ids=torch.tensor([prompt]), use_cache=False).logits[0, -1].detach().double(), -1)
+    text, gen = bridge.target_text(prompt).decode(), torch.Generator().manual_seed(3)
+    draws = [dec.generate(prompt, text, 2, gen)[0][0] for _ in range(300)]
     assert chi_square(draws, p).pvalue > 1e-3
-    skewed = torch.softmax(p.log() * 2, -1)  # the test can tell a different distribution apart
-    assert chi_square(draws, skewed).pvalue < 1e-6
 
 
 # -- decoding ------------------------------------------------------------------------------------
@@ -238,9 +239,12 @@ def test_sampling_same_seed_same_outputs(models) -> None:
     assert runs[0] == runs[1]
 
 
-@pytest.mark.parametrize("mode", ["greedy", "sample"])
+@pytest.mark.parametrize("mode", ["greedy"])
 def test_merged_proposals_from_an_oracle_drafter_are_accepted_and_greedy_stays_exact(models, mode) -> None:
-    """A stub drafter spells the target's own greedy continuation (one wrong token in four)."""
+    """A stub drafter spells the target's own greedy continuation (one wrong token in four).
+
+    (Greedy only: sampling drafts through the exact walk, not ``dec.draft``; its exactness with merged
+    proposals is tested in test_omnidraft_exact.py.)"""
     from central.omnidraft.decode import Draft
 
     m, bridge, prompt = _scripted(models, 1)
@@ -320,7 +324,7 @@ def test_run_is_seeded_and_logs_tables_and_plots(tmp_path) -> None:
     deterministic = [k for k in a.metrics if not k.startswith(("speedup", "target_only"))]
     assert {k: a.metrics[k] for k in deterministic} == {k: b.metrics[k] for k in deterministic}
     assert a.metrics["greedy_identical"] == 1.0 and "accepted_per_call/a" in a.metrics
-    assert {"variants", "stream", "models", "first_token_distribution", "ngram_cache"} <= set(a.tables)
+    assert {"variants", "stream", "models", "sampling_exactness", "ngram_cache"} <= set(a.tables)
     assert [r.round for r in a.history.records] == [1, 2]
 
 
