@@ -173,7 +173,9 @@ class EngineConfig:
 
 @dataclass
 class EvaluationConfig:
-    server: bool = True  # evaluate the global model on the held-out test split every round
+    server: bool = True  # evaluate the global model on the held-out test split
+    # server evaluation cadence: rounds 0, every, 2*every, ... and always the last round
+    every: int = rng("[1, 1e6]", 1)
     batch_size: int = rng("[1, 1e6]", 512)
     # share of the training pool held out (stratified, before partitioning) as a server validation
     # split, logged as val/accuracy, val/loss; what tuning selects on (0 = off, no split)

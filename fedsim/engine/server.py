@@ -25,6 +25,7 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord
 from flwr.serverapp import Grid
 
+from fedsim import config as C
 from fedsim.engine import checkpoint as ckpt
 from fedsim.engine.grid import MonitoredGrid, finite_array
 from fedsim.contracts.history import RoundObserver, RoundRecord
@@ -155,6 +156,11 @@ def run_server(grid: Grid, spec: RunSpec, observers: list[RoundObserver], *,
     return ServerResult(arrays.to_torch_state_dict(), records)
 
 
+def evaluates_at(cfg: C.ExperimentConfig, server_round: int) -> bool:
+    """Whether the server evaluates after ``server_round`` (``evaluation.every``; round 0 and the last always)."""
+    return server_round % cfg.evaluation.every == 0 or server_round == cfg.rounds
+
+
 def _round_closer(spec: RunSpec, monitored: MonitoredGrid, records: list[RoundRecord], observers: list[RoundObserver],
                   save: Callable[[int, ArrayRecord], None] | None) -> Callable[[int, ArrayRecord], None]:
     """The end of a round: evaluate, record, seed the next round, checkpoint, then notify the observers."""
@@ -165,7 +171,7 @@ def _round_closer(spec: RunSpec, monitored: MonitoredGrid, records: list[RoundRe
         metrics: dict[str, float] = {}
         metrics.update(_prefixed("train", tally.train_metrics, {"train_loss": "loss"}))
         metrics.update(_prefixed("fed_eval", tally.eval_metrics))
-        if cfg.evaluation.server:
+        if cfg.evaluation.server and evaluates_at(cfg, server_round):
             with torch_threads(cfg.engine.threads_per_client):
                 # looked up each round: an engine may replace the learner (after an abandoned call)
                 evaluated = get_learner(spec).evaluate_global(arrays.to_torch_state_dict())
