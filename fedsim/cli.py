@@ -222,17 +222,20 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     started = getattr(args, "started", None) or time.perf_counter()
     label = f"{cfg.name} · {cfg.strategy.name} · {cfg.engine.name}"
+    typed = [*args.overrides, *(f"{k}={v}" for k, v in (("eps", args.eps), ("rounds", args.rounds),
+                                                           ("clients", args.clients)) if v is not None)]
     if args.quiet:
-        from fedsim.runner import run_experiment
+        from fedsim.runner import default_run_name, run_experiment
 
-        summary = run_experiment(cfg, tracking_uri=args.tracking_uri, resume_run_id=args.resume)
+        summary = run_experiment(cfg, tracking_uri=args.tracking_uri, resume_run_id=args.resume,
+                                 run_name=default_run_name(cfg, typed))
     else:
         with RoundProgress(cfg.rounds, label, console, started=started) as progress:
             progress.on_phase("loading torch and Flower")
-            from fedsim.runner import run_experiment  # torch, Flower: not for --print-config
+            from fedsim.runner import default_run_name, run_experiment  # torch, Flower: not for --print-config
 
             summary = run_experiment(cfg, observers=[progress], tracking_uri=args.tracking_uri,
-                                     resume_run_id=args.resume)
+                                     resume_run_id=args.resume, run_name=default_run_name(cfg, typed))
     total = time.perf_counter() - started
     if args.quiet:  # scripts capture the run id: `run <id>`, the one line on stdout
         if summary.run_id:

@@ -109,7 +109,7 @@ def run_experiment(
                 if parent_run_id:
                     tags["mlflow.parentRunId"] = parent_run_id
                 recorder = MlflowRecorder(tracking_uri, cfg.tracking.experiment,
-                                          run_name=run_name or f"{cfg.name}-seed{cfg.seed}", tags=tags)
+                                          run_name=run_name or default_run_name(cfg), tags=tags)
     except BaseException:
         if held is not None:
             held.release()
@@ -160,6 +160,16 @@ def run_experiment(
                 recorder.log_artifact(ledger.write_csv(recorder.artifact_dir / "privacy_ledger.csv"))
     return RunSummary(history, result.arrays, wall, recorder.run_id if recorder else None,
                       recorder.uri if recorder else None, ledger)
+
+
+def default_run_name(cfg: C.ExperimentConfig, typed: list[str] | None = None, limit: int = 120) -> str:
+    """``experiment-strategy-engine[-overrides]-seedN``: the MLflow run name that tells runs apart
+    (``typed``: the overrides and flags the user gave, e.g. ``["client.lr=0.05", "eps=3"]``)."""
+    extra = ",".join(t for t in typed or [] if not t.startswith(("seed=", "engine=")))
+    if len(extra) > limit:
+        extra = extra[:limit - 1] + "…"
+    parts = [cfg.name, cfg.strategy.name, cfg.engine.name, *([extra] if extra else []), f"seed{cfg.seed}"]
+    return "-".join(parts)
 
 
 def _phase(observers: list[Any] | None, name: str) -> None:

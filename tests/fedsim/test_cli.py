@@ -295,3 +295,23 @@ def test_interrupted_run_ends_killed(tmp_path, tracking_uri) -> None:
     assert proc.returncode == 130, err
     assert "Traceback" not in err
     assert statuses(tracking_uri) == ["KILLED"]
+
+
+def test_runs_are_named_by_experiment_strategy_engine_overrides_and_seed(tracking_uri, capsys) -> None:
+    from mlflow import MlflowClient
+
+    assert main(["run", "fedavg_digits", "--rounds", "1", "--clients", "10", "client.lr=0.05", "--seed", "3",
+                 "--tracking-uri", tracking_uri, "--quiet"]) == 0
+    client = MlflowClient(tracking_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("fedsim").experiment_id])
+    assert run.info.run_name == "fedavg_digits-fedavg-local-client.lr=0.05,rounds=1,clients=10-seed3"
+
+
+def test_default_run_name_cuts_long_overrides() -> None:
+    from fedsim import config as C
+    from fedsim.runner import default_run_name
+
+    cfg = C.load_config("fedavg_digits", [], {})
+    assert default_run_name(cfg) == "fedavg_digits-fedavg-local-seed0"
+    name = default_run_name(cfg, [f"strategy.params.x{i}=1" for i in range(40)], limit=50)
+    assert name.endswith("…-seed0") and len(name) == len("fedavg_digits-fedavg-local--seed0") + 50
