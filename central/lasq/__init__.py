@@ -38,7 +38,11 @@ directly: ablation without the diffusion), ``pixel_gamma`` (x^γ₀ only), ``glo
 the γ₀ formula at the image mean: one exponent), ``supervised`` (the same U-Net, no timestep, L1 on
 (dark, clean) pairs of the training range, as many steps as LASQ).  Metrics: PSNR / SSIM to the clean
 image and NIQE (no reference; also reported for the dark input and the clean image) per range; the
-in-range → shifted PSNR drop; claim verdicts (``claim/...``: 1 = held).
+in-range → shifted PSNR drop; claim verdicts (``claim/...``: 1 = held).  NIQE only where it is valid
+(issue #26): short side >= 384 px (``central.image.metrics.NIQE_MIN_SIDE``) with no test image
+upsampled.  At the default short side 256 it is **skipped** — a logged warning and the run param
+``lasq/niqe = skipped: ...`` — and no ``niqe/...`` metric exists; ``params.short_side=384`` computes it
+(the fixed test images astronaut 512², coffee 400×600, china 427×640 are then only downsampled).
 
 Deliberate deviations (CPU scale)
 ---------------------------------

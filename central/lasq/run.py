@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -11,9 +12,9 @@ import numpy as np
 import torch
 
 from fedsim.contracts.central import CentralContext
-from central.image.data import IMAGES
+from central.image.data import IMAGES, image_shape
 from central.image.grid import image_grid
-from central.image.metrics import niqe, psnr, ssim
+from central.image.metrics import NIQE_MIN_SIDE, niqe, psnr, ssim
 from central.lasq.baselines import Supervised, enhance_global_gamma, enhance_pixel_gamma, train_loop
 from central.lasq.data import (DarkRange, TestPair, darken_batch, test_pairs, to_image, to_tensor,
                                train_test_names, training_crops, working_images)
@@ -27,8 +28,8 @@ from fedsim.registry import CENTRAL
 METHODS = ("lasq", "lasq_layers", "pixel_gamma", "global_gamma", "supervised")
 UNSUPERVISED_BASELINES = ("pixel_gamma", "global_gamma")
 RANGES = ("in_range", "shifted")
-NIQE_MIN_SIDE = 194
 Enhancer = Callable[[torch.Tensor], torch.Tensor]
+log = logging.getLogger("fedsim.lasq")
 
 
 @dataclass
@@ -71,7 +72,7 @@ class LasqParams:
     # the supervised baseline
     sup_steps: int = 200
     # evaluation
-    niqe: bool = True
+    niqe: bool = True  # where valid: short_side >= 384 and no test image upsampled (else skipped, logged)
     grid_pairs: int = 1  # test pairs per range in the image grid
 
 
@@ -90,9 +91,6 @@ def check(p: LasqParams) -> None:
         raise ConfigError(f"params.heldout must be in [1, {len(p.images) - 1}] (len(images) - 1), got {p.heldout}")
     if p.crop < 8 or p.crop % 4 or p.crop > p.short_side:
         raise ConfigError(f"params.crop must be a multiple of 4 in [8, short_side={p.short_side}], got {p.crop}")
-    if p.niqe and p.short_side < NIQE_MIN_SIDE:
-        raise ConfigError(f"params.short_side must be >= {NIQE_MIN_SIDE} for NIQE (or set niqe=false), "
-                          f"got {p.short_side}")
     for name in ("crops_per_image", "test_draws", "steps", "sup_steps", "batch", "width", "timesteps",
                  "sample_steps", "levels", "scc_every"):
         if getattr(p, name) < 1:
@@ -236,10 +234,29 @@ def enhancers(ctx: CentralContext, crops: torch.Tensor, dark: DarkRange
     return out, seconds
 
 
-def evaluate(ctx: CentralContext, methods: dict[str, Enhancer], sets: dict[str, list[TestPair]]
-             ) -> tuple[list[dict[str, Any]], dict[tuple[str, int], dict[str, np.ndarray]]]:
-    """Per (range, pair, method): PSNR, SSIM to the clean image, NIQE; also the dark input and the clean image."""
+def niqe_skip_reason(p: LasqParams, test_names: list[str]) -> str | None:
+    """Why NIQE cannot be computed validly on this run's test images (None: it can, or it is off)."""
+    if not p.niqe:
+        return None
+    if p.short_side < NIQE_MIN_SIDE:
+        return (f"short_side={p.short_side} < {NIQE_MIN_SIDE} px, where NIQE's patch statistics are invalid; "
+                f"set params.short_side >= {NIQE_MIN_SIDE} to compute it")
+    small = [n for n in test_names if min(image_shape(n)[:2]) < p.short_side]
+    if small:
+        return (f"test images {', '.join(small)} are smaller than short_side={p.short_side} and would be upsampled, "
+                f"which NIQE cannot score validly")
+    return None
+
+
+def evaluate(ctx: CentralContext, methods: dict[str, Enhancer], sets: dict[str, list[TestPair]],
+             niqe_on: bool | None = None) -> tuple[list[dict[str, Any]], dict[tuple[str, int], dict[str, np.ndarray]]]:
+    """Per (range, pair, method): PSNR, SSIM to the clean image, NIQE; also the dark input and the clean image.
+
+    ``niqe_on`` (default ``params.niqe``) adds NIQE; :func:`central.image.metrics.niqe` refuses images
+    below 384 px, so call it only where :func:`niqe_skip_reason` is None.
+    """
     p: LasqParams = ctx.params
+    niqe_on = p.niqe if niqe_on is None else niqe_on
     rows, shown = [], {}
     total = sum(len(v) for v in sets.values())
     with ctx.progress(total, "lasq: evaluating") as bar:
@@ -253,10 +270,10 @@ def evaluate(ctx: CentralContext, methods: dict[str, Enhancer], sets: dict[str, 
                     row = {"range": rng_name, "image": pair.name, "pair": k, "gain": pair.gain, "gamma": pair.gamma,
                            "noise": pair.noise, "method": name, "psnr": psnr(pair.clean, img),
                            "ssim": ssim(pair.clean, img), "mean": float(img.mean())}
-                    if p.niqe:
+                    if niqe_on:
                         row["niqe"] = niqe(img)
                     rows.append(row)
-                if p.niqe:
+                if niqe_on:
                     rows.append({"range": rng_name, "image": pair.name, "pair": k, "gain": pair.gain,
                                  "gamma": pair.gamma, "noise": pair.noise, "method": "clean", "psnr": float("inf"),
                                  "ssim": 1.0, "mean": float(pair.clean.mean()), "niqe": niqe(pair.clean)})
@@ -410,10 +427,17 @@ def run_lasq(ctx: CentralContext) -> dict[str, float]:
         sets = {"in_range": test_pairs(test_imgs, train_range, p.test_draws, ctx.rng("test", "in_range")),
                 "shifted": test_pairs(test_imgs, shift_range, p.test_draws, ctx.rng("test", "shifted"))}
         ctx.log_params({"lasq/train_images": ",".join(train_names), "lasq/test_images": ",".join(test_names)})
+        skip = niqe_skip_reason(p, test_names)
+        niqe_on = p.niqe and skip is None
+        if skip is not None:
+            log.warning("lasq: NIQE not computed: %s", skip)
+            ctx.log_params({"lasq/niqe": f"skipped: {skip}"})
+        elif p.niqe:
+            ctx.log_params({"lasq/niqe": f"computed at short side {p.short_side}"})
         methods, seconds = enhancers(ctx, crops, train_range)
-        rows, shown = evaluate(ctx, methods, sets)
+        rows, shown = evaluate(ctx, methods, sets, niqe_on)
         chain_rows, chain_curves = mcmc_diagnostics(ctx, sets) if p.mcmc_steps else ([], {})
-    summary = summarise(rows, p.niqe)
+    summary = summarise(rows, niqe_on)
     for e in summary:
         if e["method"] in seconds:
             e["train_seconds"] = seconds[e["method"]]

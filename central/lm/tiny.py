@@ -6,17 +6,25 @@ on the other.  A model is defined by a :class:`TinyLMSpec` (architecture *and* t
 the trained weights are cached as safetensors under ``<cache>/tinylm/<hash>.safetensors`` with a
 JSON card (train/held-out loss, parameter count, seconds), so a spec trains once per machine.
 
-Presets: ``target`` (~6M parameters, 4096-token BPE; a few minutes on 2 CPU cores), ``drafter``
+Presets: ``target`` (~4.2M parameters, 4096-token BPE; tens of minutes on 2 busy CPU cores), ``drafter``
 (~0.27M parameters, 512-token BPE: a *different* vocabulary) and ``test`` (seconds, for tests).
+
+A cold cache is never silent: :func:`load_or_train` logs one line (what it trains, why — the missing
+cache file — and a time estimate from one timed probe step) and shows a progress bar with steps
+done/total, the loss, elapsed time and an ETA (``progress=``: a ``ctx.progress``-style factory, ``True``
+for the built-in rich bar, ``False`` for none; by default the bar shows when stderr is a terminal).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass, replace
-from typing import Callable
+from typing import Any, Callable, ContextManager, Union
 
 import torch
 from tokenizers import Tokenizer
@@ -25,6 +33,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from central.lm.cache import atomic_write_bytes, cache_dir, key_of
 from central.lm.corpus import load_corpus
 from central.lm.tokenizer import encode, train_bpe
+
+
+log = logging.getLogger("fedsim.lm")
+
+#: ``(total, description) -> context manager with .advance(n=1)`` (``CentralContext.progress`` fits).
+ProgressFactory = Callable[[int, str], ContextManager[Any]]
 
 
 @dataclass(frozen=True)
@@ -159,8 +173,66 @@ def train(model: LlamaForCausalLM, spec: TinyLMSpec, ids: torch.Tensor,
                        on_step=on_step)
 
 
-def load_or_train(spec: TinyLMSpec, on_step: Callable[[int, float], None] | None = None) -> tuple[LlamaForCausalLM, dict]:
-    """The trained model of ``spec`` (from the cache, or trained now and cached) and its card."""
+class _RichBar:
+    """A rich bar on stderr: steps done/total, loss, elapsed and remaining time (the ETA)."""
+
+    def __init__(self, total: int, description: str) -> None:
+        from rich.console import Console
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                   TimeRemainingColumn)
+
+        self._bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                             TextColumn("{task.fields[loss]}"), TimeElapsedColumn(), TextColumn("ETA"),
+                             TimeRemainingColumn(), console=Console(stderr=True), transient=True)
+        self._task = self._bar.add_task(description, total=total, loss="")
+
+    def __enter__(self) -> "_RichBar":
+        self._bar.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._bar.stop()
+
+    def advance(self, n: int = 1, loss: float | None = None) -> None:
+        self._bar.update(self._task, advance=n, **({"loss": f"loss {loss:.3f}"} if loss is not None else {}))
+
+
+def _progress_factory(progress: Union[bool, ProgressFactory, None]) -> ProgressFactory | None:
+    if progress is None:
+        progress = sys.stderr.isatty()
+    if progress is True:
+        return _RichBar
+    return progress or None
+
+
+def _seconds_per_step(model: LlamaForCausalLM, ids: torch.Tensor, spec: TinyLMSpec) -> float:
+    """Time one forward/backward at the training shape (own generator, gradients dropped: no side effects)."""
+    batch = _windows(ids, spec.batch_size, spec.seq_len, torch.Generator().manual_seed(spec.seed + 2))
+    start = time.perf_counter()
+    model.train()
+    logits = model(input_ids=batch[:, :-1], use_cache=False).logits
+    torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1)).backward()
+    elapsed = time.perf_counter() - start
+    for param in model.parameters():
+        param.grad = None
+    model.eval()
+    return elapsed * 1.15  # + the optimiser step and clipping
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 10:
+        return f"{seconds:.1f} s"
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
+
+
+def load_or_train(spec: TinyLMSpec, on_step: Callable[[int, float], None] | None = None,
+                  progress: Union[bool, ProgressFactory, None] = None,
+                  name: str = "tiny LM") -> tuple[LlamaForCausalLM, dict]:
+    """The trained model of ``spec`` (from the cache, or trained now and cached) and its card.
+
+    On a cold cache it logs one line (what is trained, the missing cache path, an estimate of the time)
+    and reports every step to ``progress`` (see the module docstring); a warm cache does neither.
+    """
     from safetensors.torch import load_file, save_file
 
     tok = tokenizer_for(spec)
@@ -172,10 +244,27 @@ def load_or_train(spec: TinyLMSpec, on_step: Callable[[int, float], None] | None
         model.load_state_dict(load_file(str(weights)), strict=False)  # tied lm_head is not stored twice
         model.eval()
         return model, json.loads(card_path.read_text())
+    ids = corpus_ids(tok, "train", spec.corpus_chars)
+    n_params = sum(p.numel() for p in model.parameters())
+    estimate = _seconds_per_step(model, ids, spec) * spec.steps
+    log.warning("%s: pre-training %.2fM parameters for %d steps (not in the cache: %s missing); "
+                "about %s on this machine, once — later runs load it", name, n_params / 1e6, spec.steps,
+                weights, _duration(estimate))
+    factory = _progress_factory(progress)
     start = time.perf_counter()
-    losses = train(model, spec, corpus_ids(tok, "train", spec.corpus_chars), on_step)
+    with factory(spec.steps, f"pre-training {name}") if factory else contextlib.nullcontext() as bar:
+        def step(i: int, loss: float) -> None:
+            if bar is not None:
+                if isinstance(bar, _RichBar):
+                    bar.advance(1, loss)
+                else:
+                    bar.advance(1)
+            if on_step is not None:
+                on_step(i, loss)
+
+        losses = train(model, spec, ids, step)
     held = mean_loss(model, corpus_ids(tok, "heldout", 200_000), spec.seq_len)
-    card = {"spec": asdict(spec), "parameters": sum(p.numel() for p in model.parameters()),
+    card = {"spec": asdict(spec), "parameters": n_params,
             "train_loss_last50": sum(losses[-50:]) / len(losses[-50:]), "heldout_loss": held,
             "train_seconds": time.perf_counter() - start}
     state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
@@ -184,4 +273,5 @@ def load_or_train(spec: TinyLMSpec, on_step: Callable[[int, float], None] | None
     save_file(state, str(tmp))
     tmp.replace(weights)
     atomic_write_bytes(card_path, json.dumps(card, indent=1).encode())
+    log.warning("%s: pre-trained in %s, cached at %s", name, _duration(card["train_seconds"]), weights)
     return model, card

@@ -60,8 +60,8 @@ def head_dim_of(model: str) -> int:
     return spec.d_model // spec.n_heads
 
 
-def load_model(model: str) -> tuple[Any, Callable[[str], list[int]], str]:
-    """(model, encode, description)."""
+def load_model(model: str, progress: bool | None = None) -> tuple[Any, Callable[[str], list[int]], str]:
+    """(model, encode, description); a cold tiny-LM cache is pre-trained with a logged line and a bar."""
     if model == "smollm2":
         from central.lm.smollm import load_smollm2
 
@@ -71,7 +71,7 @@ def load_model(model: str) -> tuple[Any, Callable[[str], list[int]], str]:
     from central.lm.tokenizer import encode
 
     spec = tiny.preset("target" if model == "tiny" else "test")
-    lm, card = tiny.load_or_train(spec)
+    lm, card = tiny.load_or_train(spec, progress=progress, name=f"lrqk: tiny/{'target' if model == 'tiny' else 'test'}")
     tok = tiny.tokenizer_for(spec)
     return lm, lambda text: encode(tok, text), f"tiny-{'target' if model == 'tiny' else 'test'} ({card['parameters']} params)"
 
@@ -256,7 +256,7 @@ def _plot_copies(curves: dict[str, tuple[torch.Tensor, torch.Tensor]]):
                   summary="LRQK low-rank query-key KV selection (penalised ALS) vs full/window/Quest attention")
 def run_lrqk(ctx: CentralContext) -> dict[str, float]:
     p: LRQKParams = ctx.params
-    model, encode, model_desc = load_model(p.model)
+    model, encode, model_desc = load_model(p.model, ctx.show_progress)
     need = p.prefill_tokens + p.decode_steps + 1
     doc, ids = pick_document(p, encode, need, ctx.rng("document"))
     shape = Shape.of(model)

@@ -125,10 +125,10 @@ class Models:
     cards: list[dict[str, Any]]
 
 
-def load_models(p: OmniDraftParams) -> Models:
+def load_models(p: OmniDraftParams, progress: bool | None = None) -> Models:
     dtype = torch.float64 if p.dtype == "float64" else torch.float32
     d_spec = _spec(p.drafter_preset, p.drafter_vocab)
-    drafter, d_card = tiny.load_or_train(d_spec)
+    drafter, d_card = tiny.load_or_train(d_spec, progress=progress, name=f"omnidraft drafter tiny/{p.drafter_preset}")
     cards = [{"role": "drafter", "model": f"tiny/{p.drafter_preset}", "vocab": d_spec.vocab_size,
               "parameters": d_card["parameters"], "heldout_loss": round(d_card["heldout_loss"], 4)}]
     if p.target == "smollm2":
@@ -141,7 +141,7 @@ def load_models(p: OmniDraftParams) -> Models:
                          "parameters": sum(x.numel() for x in target.parameters()), "heldout_loss": float("nan")})
     else:
         t_spec = _spec(p.target_preset, p.target_vocab)
-        target, t_card = tiny.load_or_train(t_spec)
+        target, t_card = tiny.load_or_train(t_spec, progress=progress, name=f"omnidraft target tiny/{p.target_preset}")
         target_tok = tiny.tokenizer_for(t_spec)
         eos = set(special_tokens(target_tok).values())
         cards.insert(0, {"role": "target", "model": f"tiny/{p.target_preset}", "vocab": t_spec.vocab_size,
@@ -205,7 +205,7 @@ def run_omnidraft(ctx: CentralContext) -> dict[str, float]:
 def _run(ctx: CentralContext) -> dict[str, float]:
     p: OmniDraftParams = ctx.params
     torch.manual_seed(ctx.seed("torch"))
-    m = load_models(p)
+    m = load_models(p, ctx.show_progress)
     bridge = VocabBridge(m.drafter_tok, m.target_tok)
     prompts = stream_prompts(m.target_tok, p.prompts, p.prompt_tokens, p.new_tokens,
                              ctx.rng("stream") if p.shuffle_stream else None)

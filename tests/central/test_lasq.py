@@ -234,9 +234,29 @@ def test_same_seed_gives_identical_metrics_and_logs_tables_and_plots() -> None:
     assert len(first.tables["per_image"]) == 2 * 6  # 2 ranges x 1 pair x (dark + 5 methods)
 
 
+def test_niqe_is_computed_only_where_valid() -> None:
+    from central.lasq.run import niqe_skip_reason
+
+    test = ["astronaut", "coffee", "china"]  # 512², 400×600, 427×640
+    assert niqe_skip_reason(LasqParams(niqe=False), test) is None
+    assert "short_side=256 < 384" in niqe_skip_reason(LasqParams(), test)  # the default: skipped
+    assert niqe_skip_reason(LasqParams(short_side=384), test) is None
+    assert "test images coffee, china are" in niqe_skip_reason(LasqParams(short_side=448), test)  # would be upsampled
+
+
+def test_a_run_below_the_niqe_size_skips_it_with_a_logged_reason(caplog) -> None:
+    cfg = C.load_central_config("lasq", [t for t in TINY if "niqe" not in t] + ["params.niqe=true",
+                                                                                 "params.methods=[global_gamma]"])
+    cfg.tracking.enabled = False
+    with caplog.at_level("WARNING", logger="fedsim.lasq"):
+        out = run_central(cfg)
+    assert any("NIQE not computed: short_side=40 < 384" in r.getMessage() for r in caplog.records)
+    assert not any("niqe" in k for k in out.metrics) and all("niqe" not in r for r in out.tables["per_image"])
+
+
 @pytest.mark.parametrize("bad", [
     {"methods": []}, {"methods": ["lasq", "nope"]}, {"methods": ["lasq", "lasq"]}, {"images": ["lena"]},
-    {"heldout": 0}, {"crop": 30}, {"short_side": 128}, {"steps": 0}, {"train_gain": [0.6, 0.2]},
+    {"heldout": 0}, {"crop": 30}, {"short_side": 4}, {"steps": 0}, {"train_gain": [0.6, 0.2]},
     {"shift_gamma": [1.0]}, {"noise": [-0.1, 0.1]}, {"gamma_bounds": [1.0, 1.0]}, {"temperature": 0.0},
     {"proposal_std": -1.0}, {"exposure_target": 1.5}, {"levels": 200}, {"prediction": "v"},
     {"scc_batch": 99}, {"luminance_sigmas": [0.0]}, {"scc_every": 0},

@@ -9,6 +9,7 @@ import pytest
 
 from central.image import (IMAGES, crops, darken, downsample, ergas, gaussian_kernel, image_grid, largest_image,
                            load_image, niqe, psnr, sam, split, ssim, upsample)
+from central.image.metrics import NIQE_MIN_SIDE
 from central.image.degrade import decimation_matrix, default_sigma
 
 # -- data --------------------------------------------------------------------------------------------
@@ -138,14 +139,28 @@ def test_ergas_of_a_constant_scaling() -> None:
     assert ergas(ref, ref, 4) == 0.0
 
 
-def test_niqe_orders_clean_noisy_blurred() -> None:
-    from scipy.ndimage import gaussian_filter
+def test_niqe_refuses_images_below_its_valid_size() -> None:
+    x = load_image("china")  # 427×640
+    for shape in ((256, 400), (383, 640), (427, 300)):
+        with pytest.raises(ValueError, match=r"min\(H, W\) >= 384 px.*larger image size") as err:
+            niqe(x[: shape[0], : shape[1]])
+        assert "\n" not in str(err.value) and f"{shape[0]}×{shape[1]}" in str(err.value)
+    assert NIQE_MIN_SIDE == 384 and np.isfinite(niqe(x[:384, :384]))
 
-    x = load_image("china")[:256, :320]
-    noisy = np.clip(x + np.random.default_rng(0).normal(0, 0.1, x.shape), 0, 1)
-    blurred = gaussian_filter(x, (3, 3, 0))
-    clean, n, b = niqe(x), niqe(noisy), niqe(blurred)
-    assert clean < n < b
+
+@pytest.mark.parametrize("name", ["china", "astronaut"])
+def test_niqe_at_a_valid_size_ranks_clean_better_than_heavy_degradations(name: str) -> None:
+    from scipy.ndimage import gaussian_filter
+    from central.image.degrade import darken
+    from central.lasq.data import resize_short_side
+
+    x = resize_short_side(load_image(name), NIQE_MIN_SIDE)  # a downsampled natural photo, short side 384
+    rng = np.random.default_rng(0)
+    clean = niqe(x)
+    degraded = {"noise": np.clip(x + rng.normal(0, 0.1, x.shape), 0, 1), "blur": gaussian_filter(x, (2, 2, 0)),
+                "dark": darken(x, 0.12, 1.9, 0.02, rng)}  # the LASQ shifted range
+    scores = {k: niqe(v) for k, v in degraded.items()}
+    assert clean < 12.0 and all(v > clean + 2.0 for v in scores.values()), (clean, scores)
 
 
 def test_image_grid_handles_1_3_4_bands() -> None:

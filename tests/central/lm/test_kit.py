@@ -49,3 +49,47 @@ def test_smollm2_loads_offline_and_decodes_greedily() -> None:
     ids = tok("def add(a, b):\n    return", return_tensors="pt").input_ids
     out = model.generate(ids, max_new_tokens=4, do_sample=False)
     assert tok.decode(out[0, ids.shape[1]:]).strip().startswith("a")
+
+
+class _Recorder:
+    """A ``ctx.progress``-style factory that records what it was asked to show."""
+
+    def __init__(self) -> None:
+        self.bars: list[tuple[int, str]] = []
+        self.advanced = 0
+
+    def __call__(self, total: int, description: str) -> "_Recorder":
+        self.bars.append((total, description))
+        return self
+
+    def __enter__(self) -> "_Recorder":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def advance(self, n: int = 1) -> None:
+        self.advanced += n
+
+
+def test_a_cold_cache_logs_and_reports_progress_and_a_warm_one_does_not(tmp_path, monkeypatch, caplog) -> None:
+    monkeypatch.setattr(tiny, "cache_dir", lambda: tmp_path)  # cold model cache; tokenizers stay shared
+    spec = tiny.preset("test", steps=4)
+    bar = _Recorder()
+    with caplog.at_level("WARNING", logger="fedsim.lm"):
+        tiny.load_or_train(spec, progress=bar, name="unit tiny")
+    assert bar.bars == [(4, "pre-training unit tiny")] and bar.advanced == 4
+    first = caplog.records[0].getMessage()
+    assert "unit tiny: pre-training" in first and "4 steps" in first and str(tmp_path) in first and "about" in first
+    caplog.clear()
+    warm = _Recorder()
+    with caplog.at_level("WARNING", logger="fedsim.lm"):
+        tiny.load_or_train(spec, progress=warm)
+    assert warm.bars == [] and warm.advanced == 0 and not caplog.records
+
+
+def test_the_builtin_bar_shows_steps_and_an_eta() -> None:
+    bar = tiny._progress_factory(True)(10, "pre-training x")
+    columns = [type(c).__name__ for c in bar._bar.columns]
+    assert "MofNCompleteColumn" in columns and "TimeRemainingColumn" in columns
+    assert tiny._progress_factory(False) is None
