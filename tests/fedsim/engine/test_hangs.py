@@ -149,6 +149,8 @@ def test_local_engine_takes_a_huge_finite_client_timeout() -> None:
 def test_ray_and_flower_engines_a_hang_costs_its_own_slot(engine: str) -> None:
     """Two actors, 20 clients, 2-3 hangs per round: only the hanging calls fail, none queued behind them."""
     seed = seed_with_hangs(2)
-    cfg = load(f"seed={seed}", f"engine.name={engine}", "engine.client_timeout_s=3", "engine.round_timeout_s=1e6")
+    # 10 s: far above a real call (~0.1 s idle), so a machine loaded by other jobs (one CI run shared its
+    # 2 cores with a claim check and timed out real calls at 3 s) still fails only the hangs
+    cfg = load(f"seed={seed}", f"engine.name={engine}", "engine.client_timeout_s=10", "engine.round_timeout_s=1e6")
     summary = run_experiment(cfg)
-    assert_only_the_hangs_failed(cfg, summary, limit=3, slack=120)  # + actor start-up on a busy machine
+    assert_only_the_hangs_failed(cfg, summary, limit=10, slack=120)  # + actor start-up on a busy machine
