@@ -87,6 +87,18 @@ def exit_soon(code: int, grace_s: float = EXIT_GRACE_S) -> None:
     timer.start()
 
 
+#: Set by the SIGTERM/SIGHUP handler.  The handler also raises, but a signal that lands inside a
+#: weakref callback or ``__del__`` has its exception swallowed by the interpreter ("Exception ignored
+#: in ..."), so the round loop (:func:`raise_if_terminated`) and the block's end check this flag too.
+_terminated = threading.Event()
+
+
+def raise_if_terminated() -> None:
+    """Raise :class:`Terminated` if a SIGTERM/SIGHUP arrived whose exception was lost."""
+    if _terminated.is_set():
+        raise Terminated()
+
+
 @contextlib.contextmanager
 def tracked_run(recorder: FinishableRun | None, on_end: Callable[[str], None] | None = None) -> Iterator[None]:
     """Run the block as one run's life and record how it ended.
@@ -96,15 +108,18 @@ def tracked_run(recorder: FinishableRun | None, on_end: Callable[[str], None] | 
     re-raised as :class:`KeyboardInterrupt`, an exception as itself.
     """
     def on_term(signum: int, frame: Any) -> None:
+        _terminated.set()
         raise Terminated()
 
     previous = _install(on_term)
     status = "FAILED"
     try:
         yield
+        raise_if_terminated()
         status = "FINISHED"
     except (KeyboardInterrupt, Terminated):
         status = "KILLED"
+        _terminated.clear()
         raise KeyboardInterrupt() from None
     finally:
         try:

@@ -32,6 +32,7 @@ from fedsim.contracts.history import RoundObserver, RoundRecord
 from fedsim.engine.runtime import RunSpec, get_learner, torch_threads
 from fedsim.engine.system import SystemModel
 from fedsim.errors import ConfigError, RunFailedError
+from fedsim.run_lifecycle import raise_if_terminated
 from fedsim.registry import STRATEGIES
 from fedsim.seeding import derive_seed
 
@@ -153,6 +154,7 @@ def run_server(grid: Grid, spec: RunSpec, observers: list[RoundObserver], *,
         arrays = play_round(strategy, monitored, server_round, arrays, cfg.engine.round_timeout_s)
         check_finite(arrays, server_round)
         close_round(server_round, arrays)
+        raise_if_terminated()  # a SIGTERM whose exception the interpreter swallowed (run_lifecycle)
     return ServerResult(arrays.to_torch_state_dict(), records)
 
 

@@ -69,3 +69,16 @@ def test_sighup_kills_the_run_unless_it_is_ignored() -> None:
         assert rec.statuses == ["KILLED", "FINISHED"]
     finally:
         signal.signal(signal.SIGHUP, previous)
+
+
+def test_a_swallowed_termination_still_ends_the_run_killed() -> None:
+    """A SIGTERM whose exception was lost (raised inside a weakref callback) is honoured at the block's end."""
+    from fedsim import run_lifecycle as L
+
+    rec = Recorder()
+    with pytest.raises(KeyboardInterrupt), tracked_run(rec):
+        L._terminated.set()  # what the handler does before its raise is swallowed
+    assert rec.statuses == ["KILLED"] and not L._terminated.is_set()
+    with tracked_run(rec):
+        pass
+    assert rec.statuses == ["KILLED", "FINISHED"]
