@@ -36,6 +36,11 @@ if TYPE_CHECKING:
 StateDict = dict[str, torch.Tensor]
 
 
+class CapabilityMissing(NotImplementedError):
+    """A caller used an optional capability (privacy plan, cohort training) that this learner does
+    not declare; callers check ``supports_dp`` / :meth:`Learner.cohort_refusal` first."""
+
+
 def local_steps(num_examples: int, cfg: ExperimentConfig) -> int:
     """Optimiser steps of one client's round: ``client.local_steps`` when set, else
     ``client.local_epochs`` passes of ``⌈n / client.batch_size⌉`` batches.  The one formula that
@@ -108,7 +113,7 @@ class Learner(ABC):
     def privacy_plan(self, partition_id: int) -> Any:
         """Sample-level DP: this client's ``privacy.plan.ClientPrivacyPlan`` (noise multiplier, sampling
         rate, steps per round), which the server's privacy ledger charges (called only when ``supports_dp`` and ``cfg.privacy.enabled``)."""
-        raise NotImplementedError(f"learner {type(self).__name__} has no sample-level privacy plan")
+        raise CapabilityMissing(f"learner {type(self).__name__} has no sample-level privacy plan")
 
     def cohort_refusal(self, ctxs: list[NodeContext], auto: bool) -> str | None:
         """Why this cohort of clients cannot be trained together by :meth:`train_cohort` (None: it can).
@@ -120,7 +125,7 @@ class Learner(ABC):
     def train_cohort(self, arrays_list: list[StateDict], ctxs: list[NodeContext], chunk: int) -> list[TrainResult]:
         """``[self.train(a, c) for a, c in zip(arrays_list, ctxs)]`` computed together, in chunks of at
         most ``chunk`` clients (``engine.vectorise``); only called where :meth:`cohort_refusal` is None."""
-        raise NotImplementedError(self.cohort_refusal(ctxs, auto=False))
+        raise CapabilityMissing(self.cohort_refusal(ctxs, auto=False))
 
     def local_work(self, partition_id: int) -> float:
         """Units of local work (e.g. optimiser steps) a training round costs this node; the simulated
