@@ -100,6 +100,28 @@ def raise_if_terminated() -> None:
 
 
 @contextlib.contextmanager
+def swallowed_terminations_quiet() -> Iterator[None]:
+    """Keep the interpreter from printing a :class:`Terminated` it swallowed ("Exception ignored in").
+
+    The flag :data:`_terminated` already carries that signal to the round loop, so the printed
+    traceback is noise a user would read as a crash; every other unraisable exception still reaches
+    the previous ``sys.unraisablehook``.
+    """
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        if isinstance(unraisable.exc_value, Terminated):
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        sys.unraisablehook = previous
+
+
+@contextlib.contextmanager
 def tracked_run(recorder: FinishableRun | None, on_end: Callable[[str], None] | None = None) -> Iterator[None]:
     """Run the block as one run's life and record how it ended.
 
@@ -113,6 +135,8 @@ def tracked_run(recorder: FinishableRun | None, on_end: Callable[[str], None] | 
 
     previous = _install(on_term)
     status = "FAILED"
+    quiet = swallowed_terminations_quiet()
+    quiet.__enter__()
     try:
         yield
         raise_if_terminated()
@@ -129,3 +153,4 @@ def tracked_run(recorder: FinishableRun | None, on_end: Callable[[str], None] | 
                 on_end(status)
         finally:
             _restore(previous)
+            quiet.__exit__(None, None, None)

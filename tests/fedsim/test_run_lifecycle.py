@@ -82,3 +82,37 @@ def test_a_swallowed_termination_still_ends_the_run_killed() -> None:
     with tracked_run(rec):
         pass
     assert rec.statuses == ["KILLED", "FINISHED"]
+
+
+def test_a_swallowed_termination_prints_no_traceback_but_other_errors_still_reach_the_hook() -> None:
+    """The interpreter's "Exception ignored in" report is dropped for Terminated only, and only inside a run."""
+    import sys
+    import weakref
+
+    from fedsim.run_lifecycle import Terminated
+
+    seen: list[type] = []
+    outer = sys.unraisablehook
+    sys.unraisablehook = lambda u: seen.append(type(u.exc_value))
+    try:
+        class Box:
+            pass
+
+        def swallow(exc: BaseException) -> None:
+            box = Box()
+            ref = weakref.ref(box, lambda _r: (_ for _ in ()).throw(exc))
+            del box  # the callback runs now; its exception is unraisable
+            assert ref() is None
+
+        rec = Recorder()
+        with pytest.raises(KeyboardInterrupt), tracked_run(rec):
+            from fedsim import run_lifecycle as L
+
+            swallow(Terminated())
+            swallow(ValueError("other"))
+            L._terminated.set()
+        assert seen == [ValueError]
+        swallow(Terminated())  # outside a run the report is not hidden
+        assert seen == [ValueError, Terminated]
+    finally:
+        sys.unraisablehook = outer
