@@ -404,11 +404,27 @@ def cmd_ui(args: argparse.Namespace) -> int:
     _check_port_free(args.port)
     if sqlite_path(uri) is not None:  # create/migrate it under the store lock, not racing concurrent runs
         mlflow_client(uri)
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    print(f"MLflow UI for {uri} at http://127.0.0.1:{args.port} (Ctrl+C to stop)", flush=True)
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_DISABLE_TELEMETRY": "true"}
+    print(f"MLflow UI for {uri} at {ui_url(uri, args.port)} (Ctrl+C to stop)", flush=True)
     cmd = [exe, "server", "--host", "127.0.0.1", "--port", str(args.port), "--backend-store-uri", uri,
            "--workers", "1"]
     return _serve(cmd, env)
+
+
+def ui_url(uri: str, port: int, experiment: str = "fedsim") -> str:
+    """The address that opens MLflow 3's UI on the runs table of ``experiment`` (its ML view; the
+    ``workflowType`` parameter overrides the UI's remembered GenAI/ML choice), or on the experiment
+    list when the store has no such experiment yet."""
+    from fedsim.tracking import mlflow_client
+
+    base = f"http://127.0.0.1:{port}"
+    exp = None
+    try:
+        exp = mlflow_client(uri).get_experiment_by_name(experiment)
+    except Exception:  # noqa: BLE001 - a store the server will report on itself
+        pass
+    page = f"experiments/{exp.experiment_id}" if exp is not None else "experiments"
+    return f"{base}/#/{page}?workflowType=machine_learning"
 
 
 def _check_port_free(port: int) -> None:

@@ -305,20 +305,29 @@ def _first_line(exc: BaseException) -> str:
 
 
 # -- race-safe experiment creation -----------------------------------------------------------------
+#: The experiment tag MLflow 3's UI reads to choose its view: "custom_model_development" opens the
+#: runs table (the ML view), where an untagged experiment may open on the GenAI "Traces" view.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+ML_EXPERIMENT_KIND = "custom_model_development"
+
+
 def get_or_create_experiment(client: Any, name: str) -> str:
-    """The id of experiment ``name``, created if missing; safe when another process creates it too."""
+    """The id of experiment ``name``, created if missing (as an ML experiment, see
+    :data:`EXPERIMENT_KIND_TAG`); safe when another process creates it too.  An experiment of an
+    older store that lacks the kind tag gets it."""
     from mlflow.exceptions import MlflowException
 
     exp = client.get_experiment_by_name(name)
-    if exp is not None:
-        return exp.experiment_id
-    try:
-        return client.create_experiment(name)
-    except MlflowException:
-        exp = client.get_experiment_by_name(name)  # created by another process meanwhile
-        if exp is None:
-            raise
-        return exp.experiment_id
+    if exp is None:
+        try:
+            return client.create_experiment(name, tags={EXPERIMENT_KIND_TAG: ML_EXPERIMENT_KIND})
+        except MlflowException:
+            exp = client.get_experiment_by_name(name)  # created by another process meanwhile
+            if exp is None:
+                raise
+    if EXPERIMENT_KIND_TAG not in (exp.tags or {}):
+        client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, ML_EXPERIMENT_KIND)
+    return exp.experiment_id
 
 
 __all__ = ["check_tracking_uri", "prepare_store", "store_lock", "get_or_create_experiment", "sqlite_path",

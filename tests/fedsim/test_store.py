@@ -86,12 +86,27 @@ def test_experiment_created_meanwhile_by_another_process_is_read_back() -> None:
 
         def get_experiment_by_name(self, name: str):
             self.calls += 1
-            return None if self.calls == 1 else type("E", (), {"experiment_id": "42"})()
+            return None if self.calls == 1 else type("E", (), {"experiment_id": "42",
+                                                               "tags": {"mlflow.experimentKind": "x"}})()
 
-        def create_experiment(self, name: str) -> str:
+        def create_experiment(self, name: str, tags=None) -> str:
             raise MlflowException("RESOURCE_ALREADY_EXISTS: experiment exists")
 
     assert get_or_create_experiment(Racing(), "x") == "42"
+
+
+def test_experiments_are_ml_experiments_and_old_ones_are_tagged(tmp_path) -> None:
+    """MLflow 3's UI opens an experiment tagged custom_model_development on its runs table."""
+    from fedsim.store import EXPERIMENT_KIND_TAG, ML_EXPERIMENT_KIND
+    from fedsim.tracking import mlflow_client
+
+    client = mlflow_client(f"sqlite:///{tmp_path / 'm.db'}")
+    new = get_or_create_experiment(client, "new")
+    assert client.get_experiment(new).tags[EXPERIMENT_KIND_TAG] == ML_EXPERIMENT_KIND
+    old = client.create_experiment("old")  # as an earlier fedsim created it
+    assert EXPERIMENT_KIND_TAG not in client.get_experiment(old).tags
+    assert get_or_create_experiment(client, "old") == old
+    assert client.get_experiment(old).tags[EXPERIMENT_KIND_TAG] == ML_EXPERIMENT_KIND
 
 
 def _half_migrated_store(db: Path) -> None:

@@ -48,8 +48,13 @@ def test_ui_serves_the_runs_of_the_same_store(tmp_path, monkeypatch) -> None:
                                      data=json.dumps({"max_results": 10}).encode(),
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=10) as r:
-            names = [e["name"] for e in json.load(r)["experiments"]]
-        assert "fedsim" in names
+            experiments = {e["name"]: e for e in json.load(r)["experiments"]}
+        assert "fedsim" in experiments
+        exp = experiments["fedsim"]
+        tags = {t["key"]: t["value"] for t in exp.get("tags", [])}
+        assert tags.get("mlflow.experimentKind") == "custom_model_development"  # the UI opens the runs table
+        first_line = proc.stdout.readline().decode()
+        assert f"{base}/#/experiments/{exp['experiment_id']}?workflowType=machine_learning" in first_line
         from mlflow import MlflowClient
 
         client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
