@@ -554,10 +554,14 @@ def _has_checkpoint(cfg: C.ExperimentConfig, run_id: str) -> bool:
 
 
 def _metric_name(label: str) -> str:
-    """MLflow metric names allow only alphanumerics and ``_-. :/``."""
+    """A configuration label as an MLflow metric name (alphanumerics and ``_-. :/`` only), readable:
+    ``ε=3, partition=dirichlet(alpha=0.3)`` becomes ``eps:3 partition:dirichlet alpha:0.3``."""
     import re
 
-    return re.sub(r"[^A-Za-z0-9_\-. :/]", "_", label.replace("=", ":").replace("ε", "eps").replace("∞", "inf"))
+    text = label.replace("ε", "eps").replace("∞", "inf").replace("=", ":")
+    text = re.sub(r"[(),]+", " ", text)
+    text = re.sub(r"[^A-Za-z0-9_\-. :/]", "_", text)
+    return " ".join(text.split())
 
 
 def _series(history: History, metric: str) -> list[tuple[int, float]]:

@@ -137,3 +137,16 @@ def test_a_setting_error_every_child_would_hit_stops_the_claim_check_before_a_pa
     assert code == 2
     assert len(err) == 1 and err[0].startswith("fedsim: error:") and "data.params.root" in err[0]
     assert not (in_tmp / "mlflow.db").exists() and not (in_tmp / "mlruns").exists()
+
+
+def test_parent_metric_names_are_clean_key_value_pairs() -> None:
+    """The sweep parent's ``final/...`` names read ``eps:3 alpha:0.3``, not ``eps:3_ alpha:0.3_``."""
+    from fedsim.reproduce import _metric_name, label_of
+
+    label = label_of({"eps": 3.0, "data.partition": {"name": "dirichlet", "alpha": 0.3}, "strategy.name": "fedavg"})
+    name = _metric_name(label)
+    assert name == "eps:3.0 partition:dirichlet alpha:0.3 strategy:fedavg"
+    assert _metric_name(label_of({"eps": float("inf")})) == "eps:inf"
+    from mlflow.utils.validation import _validate_metric_name
+
+    _validate_metric_name(f"final/{name}")  # MLflow accepts it
