@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from fedsim.errors import ConfigError
+from fedsim.tracking import DERIVED_PARAMS_TAG
 from fedsim.reproduce import EPS_KEY, ClaimSpec, ConfigResult, children_by_name
 
 #: Metrics compared when none are named and the parent does not say which it was run for.
@@ -110,12 +111,44 @@ def from_experiment(name: str, metrics: list[str] | None = None, tracking_uri: s
         raise ConfigError(f"no finished runs of experiment {shown!r} in this store; run `fedsim run NAME` "
                           f"first, or give a parent run id")
     keys = set().union(*(r.data.params for r in runs)) - _IGNORED_PARAMS
-    varying = sorted(k for k in keys if len({r.data.params.get(k) for r in runs}) > 1)
+    derived = set().union(*(_derived_params(r) for r in runs))
+    varying = sorted(k for k in keys - derived if len({r.data.params.get(k) for r in runs}) > 1)
+    short = _short_keys(varying)
     groups: dict[str, list[Any]] = {}
     for run in runs:
-        label = ", ".join(f"{k}={run.data.params.get(k, '–')}" for k in varying) or name
+        label = ", ".join(f"{short[k]}={_short_value(run.data.params.get(k, '–'))}" for k in varying) or name
         groups.setdefault(label, []).append(run)
     return Comparison(name, metrics or list(DEFAULT_METRICS), groups)
+
+
+_LEGACY_DERIVED_PREFIXES = ("data.size.",)  # runs recorded before the tag existed
+_MAX_VALUE_CHARS = 24
+
+
+def _derived_params(run: Any) -> set[str]:
+    tagged = run.data.tags.get(DERIVED_PARAMS_TAG)
+    if tagged is not None:
+        return {k for k in tagged.split(",") if k}
+    return {k for k in run.data.params if k.startswith(_LEGACY_DERIVED_PREFIXES)}
+
+
+def _short_keys(keys: list[str]) -> dict[str, str]:
+    """Each dotted key by its shortest unambiguous suffix (``client.lr`` -> ``lr``), for legends."""
+    out = {}
+    for key in keys:
+        parts = key.split(".")
+        for n in range(1, len(parts) + 1):
+            cand = ".".join(parts[-n:])
+            if sum(1 for other in keys if other == cand or other.endswith("." + cand)) == 1:
+                out[key] = cand
+                break
+        else:
+            out[key] = key
+    return out
+
+
+def _short_value(value: str) -> str:
+    return value if len(value) <= _MAX_VALUE_CHARS else value[:_MAX_VALUE_CHARS - 1] + "…"
 
 
 class _Holder:

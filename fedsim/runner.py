@@ -108,6 +108,10 @@ def run_experiment(
                     tags["dataset"] = cfg.data.name
                 if parent_run_id:
                     tags["mlflow.parentRunId"] = parent_run_id
+                if setup:
+                    from fedsim.tracking import DERIVED_PARAMS_TAG
+
+                    tags[DERIVED_PARAMS_TAG] = ",".join(sorted(setup))
                 recorder = MlflowRecorder(tracking_uri, cfg.tracking.experiment,
                                           run_name=run_name or default_run_name(cfg), tags=tags)
     except BaseException:

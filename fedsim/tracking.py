@@ -109,6 +109,12 @@ def git_commit() -> str:
         return "unknown"
 
 
+#: Run tag listing the params a run derived from its setup (client sizes ...) rather than took from
+#: its configuration: they differ whenever the configuration does, so ``fedsim compare`` never
+#: groups or labels runs by them.
+DERIVED_PARAMS_TAG = "fedsim.derived_params"
+
+
 def _quiet_mlflow() -> None:
     """MLflow configures its loggers on import: import it first, then lower them."""
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
