@@ -63,8 +63,9 @@ def test_each_method_uses_exactly_its_terms() -> None:
     assert on["pseudo_label"] == on["fixmatch"] == on["avg_pseudo"] == {"sup_kl", "unsup_kl"}
     # a random network mis-orders: both ranking terms are active
     assert on["rankmatch"] == on["rankmatch_margin"] == {"sup_kl", "sup_rank", "unsup_kl", "unsup_rank"}
-    # the margin on pseudo-labels is never weaker than order only (same q, same views: same seeds)
-    assert _parts("rankmatch_margin")["unsup_rank"] >= _parts("rankmatch")["unsup_rank"] > 0
+    # the margin on pseudo-labels is strictly stronger than order only (same q, same views: same seeds);
+    # ">=" would also pass if rankmatch used the margin too
+    assert _parts("rankmatch_margin")["unsup_rank"] > _parts("rankmatch")["unsup_rank"] > 0
     # a zero weight switches a term off; the threshold masks every instance below it
     assert _parts("rankmatch", sup_rank_weight=0.0)["sup_rank"] == 0
     assert _parts("fixmatch", threshold=1.0)["kept"] == 0 and _parts("fixmatch")["kept"] == 1
@@ -97,3 +98,19 @@ def test_augmentations_keep_shape_and_strong_moves_more() -> None:
     assert isinstance(t, TabularAugment) and t.strong(tab, gen).shape == tab.shape
     dropped = t.strong(tab, gen) == t.mean
     assert 0.3 < dropped.float().mean() < 0.7
+
+
+def test_order_only_ranking_ignores_margins_that_the_margin_form_enforces() -> None:
+    """RankMatch's pseudo-label term keeps the order only: a prediction ordered like q, however
+    flat, costs nothing; the margin form (labelled data, the rankmatch_margin ablation) charges it."""
+    from clients.ldl.losses import prr_loss
+
+    q = torch.tensor([[0.6, 0.3, 0.1]])
+    flat_but_ordered = torch.log(torch.tensor([[0.34, 0.333, 0.327]]))
+    assert prr_loss(flat_but_ordered, q, margin_scale=0.0) == 0
+    assert prr_loss(flat_but_ordered, q, margin_scale=1.0) > 0.5  # (0.3-0.007)+(0.5-0.013)+(0.2-0.006)
+    misordered = torch.log(torch.tensor([[0.3, 0.6, 0.1]]))
+    assert prr_loss(misordered, q, margin_scale=0.0) > 0
+    from clients.ldl.methods import RECIPES
+
+    assert RECIPES["rankmatch"].unsup_rank == "order" and RECIPES["rankmatch_margin"].unsup_rank == "margin"
