@@ -162,6 +162,7 @@ class LDLLearner(Learner):
 
     owns_environment = True  # the LDL data set and the network come from client.params
     supports_dp = True
+    validation_split = True  # evaluation.validation_fraction: a hold-out of the training pool, logged as val/*
     privacy_unit = ("one training row of one node (a labelled row with its label distribution, or an unlabelled "
                     "row); the server's test split is not protected")
 
@@ -190,7 +191,8 @@ class LDLLearner(Learner):
         if self._split is None:
             p = self.params
             try:
-                self._split = split_ldl(self.data, p.labelled_ratio, p.test_fraction, derive_seed(self.cfg.seed, "ldl"))
+                self._split = split_ldl(self.data, p.labelled_ratio, p.test_fraction, derive_seed(self.cfg.seed, "ldl"),
+                                        self.cfg.evaluation.validation_fraction)
             except ConfigError as exc:
                 raise ConfigError(f"client.params: {exc}") from None
         return self._split
@@ -426,6 +428,9 @@ class LDLLearner(Learner):
         """Test-set measures (six + Spearman/Kendall) and the same of the recipe's pseudo-distributions of the pool."""
         model, data, split = self._load(arrays), self.data, self.split
         out = ldl_measures(data.d[split.test], predict(model, torch.from_numpy(data.x[split.test])).numpy())
+        if len(split.val):  # evaluation.validation_fraction > 0: what tuning selects on (never the test rows)
+            val = ldl_measures(data.d[split.val], predict(model, torch.from_numpy(data.x[split.val])).numpy())
+            out.update({f"val/{k}": v for k, v in val.items()})
         if self.sample_level_dp:  # eval/pseudo_* would read every node's private unlabelled rows on the server
             return out
         gen = torch.Generator().manual_seed(derive_seed(self.cfg.seed, "ldl-eval-pseudo"))

@@ -51,7 +51,7 @@ unlabelled) data and the rest hold only unlabelled data.  One node gets everythi
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -215,11 +215,13 @@ def tabular_ldl(params: TabularLDLParams | None = None, seed: int = 0, where: st
 
 @dataclass
 class LDLSplit:
-    """Row indices of the held-out test set and of the labelled / unlabelled training pool."""
+    """Row indices of the held-out test set, of the labelled / unlabelled training pool and of the
+    (optional) validation hold-out that hyper-parameter tuning selects on."""
 
     test: np.ndarray
     labelled: np.ndarray
     unlabelled: np.ndarray
+    val: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
 
 
 def labelled_count(n_train: int, ratio: float) -> int:
@@ -227,15 +229,22 @@ def labelled_count(n_train: int, ratio: float) -> int:
     return max(1, int(round(ratio * n_train)))
 
 
-def split_ldl(data: LDLData, labelled_ratio: float, test_fraction: float, seed: int) -> LDLSplit:
-    """A seeded test hold-out, then exactly :func:`labelled_count` labelled rows (stratified by peak label)."""
+def split_ldl(data: LDLData, labelled_ratio: float, test_fraction: float, seed: int,
+              val_fraction: float = 0.0) -> LDLSplit:
+    """A seeded test hold-out, a validation hold-out of ``val_fraction`` of the rest (0: none; the
+    test and training rows are then exactly as without it), then exactly :func:`labelled_count`
+    labelled rows (stratified by peak label) of the remaining training pool."""
     _check(0 < labelled_ratio < 1, f"labelled_ratio must be in (0, 1), got {labelled_ratio}")
     _check(0 < test_fraction < 1, f"test_fraction must be in (0, 1), got {test_fraction}")
+    _check(0 <= val_fraction < 1, f"validation_fraction must be in [0, 1), got {val_fraction}")
     n = len(data)
     perm = numpy_rng(seed, "ldl-split").permutation(n)
     n_test = int(round(test_fraction * n))
     _check(1 <= n_test <= n - 2, f"test_fraction={test_fraction} leaves no test or training rows out of {n}")
-    test, train = np.sort(perm[:n_test]), perm[n_test:]
+    n_val = int(round(val_fraction * (n - n_test)))
+    _check(val_fraction == 0 or 1 <= n_val <= n - n_test - 2,
+           f"validation_fraction={val_fraction} leaves no validation or training rows out of {n - n_test}")
+    test, val, train = np.sort(perm[:n_test]), np.sort(perm[n_test:n_test + n_val]), perm[n_test + n_val:]
     n_lab = labelled_count(len(train), labelled_ratio)
     _check(n_lab < len(train), f"labelled_ratio={labelled_ratio} leaves no unlabelled rows")
     peak = data.peak[train]
@@ -252,7 +261,7 @@ def split_ldl(data: LDLData, labelled_ratio: float, test_fraction: float, seed: 
                                       random_state=derive_seed(seed, "ldl-labelled") % 2**32)
     mask = np.zeros(len(train), dtype=bool)
     mask[lab_pos] = True
-    return LDLSplit(test, np.sort(train[mask]), np.sort(train[~mask]))
+    return LDLSplit(test, np.sort(train[mask]), np.sort(train[~mask]), val)
 
 
 @dataclass

@@ -128,3 +128,17 @@ def test_schedules_cosine_lr_and_unlabelled_ramp_up() -> None:
     assert ramp == [0.25, 0.5, 1.0, 1.0]
     flat: LDLLearner = get_learner(RunSpec.from_config(cfg_of("client.params.lr_schedule=constant")))
     assert flat.lr_factor(2) == 1.0 and flat.params.weights_at(1).unsup_weight == 1.0
+
+
+def test_validation_split_is_logged_as_val_and_leaves_test_rows_alone() -> None:
+    """evaluation.validation_fraction: what `fedsim reproduce` tunes on; the test measures keep their rows."""
+    from fedsim.registry import LEARNERS
+
+    assert LEARNERS.get("ldl").validation_split
+    final = run_experiment(cfg_of("evaluation.validation_fraction=0.2", rounds=1)).history.final()
+    assert np.isfinite(final["val/spearman"]) and np.isfinite(final["eval/spearman"])
+    assert final["val/kl"] != final["eval/kl"]
+    with_val = get_learner(RunSpec.from_config(cfg_of("evaluation.validation_fraction=0.2"))).split
+    plain = get_learner(RunSpec.from_config(cfg_of())).split
+    np.testing.assert_array_equal(with_val.test, plain.test)
+    assert len(with_val.val) > 0 and not set(with_val.val) & (set(with_val.labelled) | set(with_val.unlabelled))

@@ -93,3 +93,15 @@ def test_bad_settings_are_config_errors(digits) -> None:
     s = split_ldl(digits, 0.05, 0.25, 0)
     with pytest.raises(ConfigError, match="labelled clients"):
         federated_ldl(digits, s, 200, 100, 0.5, 1, 0)
+
+
+def test_validation_hold_out_is_disjoint_and_absent_by_default(digits) -> None:
+    plain = split_ldl(digits, 0.1, 0.25, seed=0)
+    assert len(plain.val) == 0
+    s = split_ldl(digits, 0.1, 0.25, seed=0, val_fraction=0.1)
+    np.testing.assert_array_equal(s.test, plain.test)  # the test rows do not move
+    assert len(s.val) == round(0.1 * (1797 - len(s.test)))
+    everything = np.concatenate([s.test, s.val, s.labelled, s.unlabelled])
+    assert len(everything) == 1797 and len(np.unique(everything)) == 1797
+    with pytest.raises(ConfigError, match="validation_fraction"):
+        split_ldl(digits, 0.1, 0.25, seed=0, val_fraction=1.0)
