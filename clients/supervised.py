@@ -295,8 +295,13 @@ class SupervisedLearner(Learner):
     def setup_artifacts(self, out_dir: Path) -> list[Path]:
         hist = self.data.label_histogram()
         return [plot_label_histogram(hist, out_dir / "label_histogram.png",
-                                     title=f"{self.cfg.data.name}: labels per client "
-                                           f"({self.cfg.data.partition.name}, α={self.cfg.data.partition.alpha})")]
+                                     title=f"{self.cfg.data.name}: labels per client ({self._partition_label()})")]
+
+    def _partition_label(self) -> str:
+        """The partitioner and the parameters the user set (``dirichlet, alpha=0.3``), for plot titles."""
+        p = self.cfg.data.partition
+        fields = [f"{k}={v}" for k, v in vars(p).items() if k != "name" and v is not None and not isinstance(v, list)]
+        return ", ".join([p.name, *fields])
 
     def setup_summary(self) -> dict[str, Any]:
         return {f"data.size.{k}": v for k, v in self.data.summary().items()}

@@ -72,6 +72,14 @@ def _finite_float(text: str) -> float:
 
 MAX_SEEDS = 10_000
 
+PLUGIN_HELP = ("import MODULE first (repeatable), so its @STRATEGIES.register(...) etc. add names; recorded in "
+               "the config's plugins, so engine processes import it too (it must be importable there: installed, "
+               "on PYTHONPATH or in the working directory)")
+
+
+def _add_plugin_arg(sub: argparse.ArgumentParser, help_extra: str = "") -> None:
+    sub.add_argument("--plugin", action="append", default=[], metavar="MODULE", help=PLUGIN_HELP + help_extra)
+
 
 def build_parser() -> argparse.ArgumentParser:
     from fedsim.registry import ENGINES
@@ -101,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--verbose", action="store_true", help="show Flower/Ray logs")
     run.add_argument("--resume", metavar="RUN_ID", type=_run_id,
                      help="continue an interrupted run from its last checkpoint, in the same MLflow run")
+    _add_plugin_arg(run)
 
     rep = sub.add_parser("reproduce", help="run a claim check: a grid of configurations × seeds as one MLflow parent run")
     rep.add_argument("claim", help="claim name (experiments/reproduce/NAME.yaml) or a YAML path")
@@ -113,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="print the runs (tuning and final) and an estimated time, then exit; records nothing")
     rep.add_argument("--scale", default="default", metavar="{quick,default,paper}",
                      help="which spec of NAME: NAME_quick.yaml, NAME.yaml (default) or NAME_paper.yaml")
+    _add_plugin_arg(rep, "; every run gets the override plugins=[...] of the --plugin modules")
 
     sw = sub.add_parser("sweep", help="run a grid × seeds as parallel Ray Tune trials under one MLflow parent run")
     sw.add_argument("sweep", help="a sweep (experiments/sweeps/NAME.yaml or a path) or an experiment name with --grid")
@@ -126,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--tracking-uri", help="MLflow tracking URI")
     sw.add_argument("--resume", metavar="PARENT_RUN_ID", type=_run_id,
                     help="continue an interrupted sweep: finished trials are read back, the rest run")
+    _add_plugin_arg(sw, "; every trial gets the override plugins=[...] of the --plugin modules")
 
     cmp = sub.add_parser("compare", help="table and plots of a sweep's / claim check's runs (mean ± std over seeds)")
     cmp.add_argument("parent", nargs="?", type=_run_id, help="the parent run id of a sweep or claim check")
@@ -207,6 +218,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return cmd_run_central(args)
     flags = {"rounds": args.rounds, "clients": args.clients, "seed": args.seed, "engine": args.engine}
     cfg = C.load_config(args.experiment, args.overrides, flags)
+    cfg.plugins = list(dict.fromkeys([*cfg.plugins, *args.plugin]))  # engine processes import them too
     _apply_eps(cfg, args.eps)
     C.validate(cfg)
     if args.no_tracking:
@@ -308,6 +320,11 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
 
     args.claim = claim_name(args.claim, args.scale)  # the spec at --scale names the run (fedphoenix_paper)
     spec = load_claim(args.claim, args.seeds, args.overrides)
+    if args.plugin:
+        from fedsim import config as C
+
+        if not C.is_central(spec.experiment):  # a centralised method runs here: the import above suffices
+            spec.overrides.append(_plugins_override(args.plugin))
     console = Console()
     if args.plan:
         lines = plan_claim(args.claim, spec, tracking_uri=args.tracking_uri)
@@ -331,6 +348,13 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plugins_override(modules: list[str]) -> str:
+    """The override that names the ``--plugin`` modules in every run's config (so Ray workers import them)."""
+    import json
+
+    return f"plugins={json.dumps(list(dict.fromkeys(modules)))}"
+
+
 def _print_table(console: Any, title: str, rows: list[dict[str, str]]) -> None:
     from rich.table import Table
 
@@ -351,6 +375,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     name, spec = load_sweep(args.sweep, grid=args.grid, seeds=args.seeds, overrides=args.overrides,
                             cpus_per_trial=args.cpus_per_trial, max_concurrent=args.max_concurrent)
+    if args.plugin:
+        spec.overrides.append(_plugins_override(args.plugin))
     console = Console()
     console.print(f"[bold]sweep {name}[/bold]: {spec.experiment}, grid {dict(spec.grid)}, {len(spec.seeds)} seeds, "
                   f"{spec.cpus_per_trial:g} CPU(s) per trial", highlight=False)
@@ -516,6 +542,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     quiet_third_party(verbose=getattr(args, 'verbose', False))
     try:
+        if getattr(args, "plugin", None):  # before any config is validated: they register names
+            from fedsim.registry import import_plugins
+
+            import_plugins(args.plugin, "--plugin")
         if args.command == "list":
             return cmd_list(args.long)
         if args.command == "run":

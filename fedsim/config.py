@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from fedsim.errors import ConfigError
-from fedsim.registry import DATASETS, ENGINES, LEARNERS, MODELS, PARTITIONERS, STRATEGIES
+from fedsim.registry import DATASETS, ENGINES, LEARNERS, MODELS, PARTITIONERS, STRATEGIES, import_plugins
 from fedsim.validation import check_fields, check_interpolations, rng, text
 
 EXPERIMENTS_DIR = Path(__file__).resolve().parent.parent / "experiments"
@@ -27,14 +27,42 @@ EXPERIMENTS_DIR = Path(__file__).resolve().parent.parent / "experiments"
 
 @dataclass
 class PartitionConfig:
-    """How the training pool is split over clients (Flower Datasets partitioners)."""
+    """How the training pool is split over clients (Flower Datasets partitioners, :mod:`envs.partition`).
 
-    name: str = "dirichlet"  # iid | dirichlet | pathological | shard
-    alpha: float = rng("(0, 1e6]", 0.5)  # dirichlet concentration: smaller = more label skew
-    min_partition_size: int = rng("[1, 1e6]", 10)  # dirichlet: redraw until every client has this many examples
-    self_balancing: bool = False  # dirichlet: Flower Datasets' self-balancing option
-    num_classes_per_partition: int = rng("[1, 1e6]", 2)  # pathological
-    num_shards_per_partition: int = rng("[1, 1e6]", 2)  # shard
+    Every parameter defaults to None, "this partitioner's default"; :data:`PARTITION_PARAMS` says
+    which partitioner uses which, and setting one that the chosen partitioner does not use is an error.
+    """
+
+    name: str = "dirichlet"  # see PARTITION_PARAMS: iid | dirichlet | inner_dirichlet | pathological | shard | ...
+    alpha: Optional[float] = rng("(0, 1e6]", None)  # dirichlet, inner_dirichlet (0.5): smaller = more label skew
+    min_partition_size: Optional[int] = rng("[1, 1e6]", None)  # dirichlet (10): redraw until every client has this many
+    self_balancing: Optional[bool] = None  # dirichlet (false): Flower Datasets' self-balancing option
+    num_classes_per_partition: Optional[int] = rng("[1, 1e6]", None)  # pathological, distribution (2)
+    num_shards_per_partition: Optional[int] = rng("[1, 1e6]", None)  # shard (2)
+    partition_sizes: Optional[list[int]] = None  # size (required), inner_dirichlet: one size per client
+    size_law: Optional[str] = None  # inner_dirichlet (equal): equal | linear | square | exponential client sizes
+    distribution_array: Optional[list[list[float]]] = None  # distribution (required): per class, per bucket
+    preassigned_num_samples_per_label: Optional[int] = rng("[0, 1e6]", None)  # distribution (0)
+    rescale: Optional[bool] = None  # distribution (true): scale each class's row to its size in the pool
+
+
+#: Which :class:`PartitionConfig` fields each built-in partitioner uses (data, so validation imports
+#: nothing; tests/fedsim/test_config_partition.py checks it against what envs.partition registers).
+PARTITION_PARAMS: dict[str, tuple[str, ...]] = {
+    "iid": (),
+    "dirichlet": ("alpha", "min_partition_size", "self_balancing"),
+    "inner_dirichlet": ("alpha", "partition_sizes", "size_law"),
+    "pathological": ("num_classes_per_partition",),
+    "shard": ("num_shards_per_partition",),
+    "linear": (),
+    "square": (),
+    "exponential": (),
+    "size": ("partition_sizes",),
+    "distribution": ("distribution_array", "num_classes_per_partition", "preassigned_num_samples_per_label", "rescale"),
+}
+#: The fields a partitioner cannot do without (it has no default for them).
+PARTITION_REQUIRED: dict[str, tuple[str, ...]] = {"size": ("partition_sizes",), "distribution": ("distribution_array",)}
+SIZE_LAWS = ("equal", "linear", "square", "exponential")
 
 
 @dataclass
@@ -224,6 +252,9 @@ class ExperimentConfig:
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    # Modules imported (here and in every engine process) before any component name is looked up, so
+    # their @STRATEGIES.register(...) etc. add names; `--plugin MODULE` appends one (docs/adding-a-strategy.md)
+    plugins: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -365,6 +396,7 @@ def load_config(
     if "name" not in read_yaml(path):
         cfg.name = path.stem
     settings = {FLAG_KEYS[flag]: value for flag, value in (flags or {}).items()}
+    cfg = _drop_switched_partition_keys(cfg, overrides)
     cfg = _apply_overrides(cfg, overrides, example="client.lr=0.05", settings=settings)
     typed: ExperimentConfig = _resolve(cfg)
     validate(typed)
@@ -446,9 +478,11 @@ def _check(ok: bool, message: str) -> None:
 def validate(cfg: ExperimentConfig) -> None:
     """The declared field ranges (:func:`fedsim.validation.check_fields`), then cross-field checks."""
     check_fields(cfg)
+    import_plugins(cfg.plugins)  # before any name is looked up: they register names
     _check(cfg.engine.name in ENGINES,
            f"engine must be one of {', '.join(ENGINES.names())}, got {cfg.engine.name!r}")
     check_names(cfg)
+    validate_partition(cfg.data.partition, cfg.num_clients)
     _check(cfg.client.optimizer in ("sgd", "adam"), f"client.optimizer must be 'sgd' or 'adam', got {cfg.client.optimizer!r}")
     _check(cfg.strategy.fraction_evaluate == 0 or cfg.data.client_test_fraction > 0,
            f"strategy.fraction_evaluate={cfg.strategy.fraction_evaluate} asks for client-side evaluation but "
@@ -462,10 +496,68 @@ def validate(cfg: ExperimentConfig) -> None:
 
 
 def check_names(cfg: ExperimentConfig) -> None:
-    """Every component the config names is registered; answered from the plugin manifest, importing nothing."""
+    """Every component the config names is registered; answered from the plugin manifest, importing nothing
+    but the config's ``plugins`` and the modules of its import-path names (``module:attr``)."""
+    import_plugins(cfg.plugins)
     for registry, name in ((DATASETS, cfg.data.name), (PARTITIONERS, cfg.data.partition.name),
                            (MODELS, cfg.model.name), (LEARNERS, cfg.client.learner), (STRATEGIES, cfg.strategy.name)):
         registry.require(name)
+
+
+#: The partition parameters (every PartitionConfig field but ``name``).
+PARTITION_KEYS = ("alpha", "min_partition_size", "self_balancing", "num_classes_per_partition",
+                  "num_shards_per_partition", "partition_sizes", "size_law", "distribution_array",
+                  "preassigned_num_samples_per_label", "rescale")
+
+
+def validate_partition(p: PartitionConfig, num_clients: int) -> None:
+    """A set parameter that the partitioner does not use is an error, and so is a missing required one.
+
+    A partitioner outside :data:`PARTITION_PARAMS` (a plugin's) checks its own settings.
+    """
+    uses = PARTITION_PARAMS.get(p.name)
+    if uses is None:
+        return
+    for key in PARTITION_KEYS:
+        if getattr(p, key) is not None and key not in uses:
+            first, *others = [n for n, u in PARTITION_PARAMS.items() if key in u]
+            also = f" (or {', '.join(others)})" if others else ""
+            raise ConfigError(f"data.partition.{key}: partitioner {p.name!r} does not use it (it uses: "
+                              f"{', '.join(uses) or 'none'}); remove it or set data.partition.name={first}{also}")
+    for key in PARTITION_REQUIRED.get(p.name, ()):
+        _check(getattr(p, key) is not None,
+               f"data.partition.{key}: partitioner {p.name!r} needs it (it has no default); set it")
+    sizes = p.partition_sizes
+    if sizes is not None:
+        _check(len(sizes) == num_clients, f"data.partition.partition_sizes: {len(sizes)} sizes for "
+               f"num_clients={num_clients}; give one size per client")
+        _check(min(sizes) >= 1, f"data.partition.partition_sizes: every size must be >= 1 (every client needs "
+               f"data), got {min(sizes)}")
+        _check(p.size_law is None, "data.partition.size_law: set either partition_sizes or size_law, not both")
+    _check(p.size_law is None or p.size_law in SIZE_LAWS,
+           f"data.partition.size_law must be one of {', '.join(SIZE_LAWS)}, got {p.size_law!r}")
+    arr = p.distribution_array
+    if arr is not None:
+        _check(len(arr) > 0 and len(arr[0]) > 0 and all(len(row) == len(arr[0]) for row in arr),
+               "data.partition.distribution_array must be a non-empty rectangular list of rows (one per class)")
+        _check(all(math.isfinite(v) and v >= 0 for row in arr for v in row),
+               "data.partition.distribution_array: every value must be finite and >= 0")
+
+
+def _drop_switched_partition_keys(cfg: DictConfig, overrides: list[str] | None) -> DictConfig:
+    """Overrides that name another partitioner than the experiment file drop the file's partition
+    keys that the new one does not use (they were the old one's); keys the overrides set are kept
+    and checked by :func:`validate_partition`."""
+    if not any(item.split("=", 1)[0].strip().startswith("data.partition") for item in overrides or []):
+        return cfg
+    probe = _apply_overrides(cfg, overrides, example="client.lr=0.05", settings={})
+    old, new = cfg.data.partition.name, probe.data.partition.name
+    if new == old or new not in PARTITION_PARAMS:
+        return cfg
+    for key in PARTITION_KEYS:
+        if key not in PARTITION_PARAMS[new]:
+            cfg.data.partition[key] = None
+    return cfg
 
 
 def validate_engine(e: EngineConfig) -> None:

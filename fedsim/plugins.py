@@ -17,16 +17,26 @@ PLUGIN_PACKAGES: tuple[str, ...] = ("envs", "fedsim.models", "clients", "algorit
 #: ``kind -> {name -> module}``; ``kind`` is :attr:`fedsim.registry.Registry.kind`.
 BUILTINS: dict[str, dict[str, str]] = {
     "strategy": {
+        "bulyan": "strategies.flower_builtin",
         "ckarl": "strategies.ckarl",
+        "fedadagrad": "strategies.flower_builtin",
+        "fedadam": "strategies.flower_builtin",
         "fedavg": "strategies.flower_builtin",
         "fedavg_lora": "strategies.lora",
+        "fedavgm": "strategies.flower_builtin",
         "fedex_lora": "strategies.lora",
+        "fedmedian": "strategies.flower_builtin",
         "fedmut": "strategies.fedmut",
         "fedphoenix": "strategies.fedphoenix",
         "fedprox": "strategies.fedprox",
         "fedsvd": "strategies.lora",
+        "fedtrimmedavg": "strategies.flower_builtin",
+        "fedyogi": "strategies.flower_builtin",
         "ffa_lora": "strategies.lora",
         "flora": "strategies.lora",
+        "krum": "strategies.flower_builtin",
+        "multikrum": "strategies.flower_builtin",
+        "qfedavg": "strategies.flower_builtin",
     },
     "learner": {
         "ckarl": "clients.rl_learner",
@@ -53,9 +63,15 @@ BUILTINS: dict[str, dict[str, str]] = {
     },
     "partitioner": {
         "dirichlet": "envs.partition",
+        "distribution": "envs.partition",
+        "exponential": "envs.partition",
         "iid": "envs.partition",
+        "inner_dirichlet": "envs.partition",
+        "linear": "envs.partition",
         "pathological": "envs.partition",
         "shard": "envs.partition",
+        "size": "envs.partition",
+        "square": "envs.partition",
     },
     "centralised method": {
         "clic": "central.clic.run",

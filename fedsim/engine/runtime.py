@@ -22,7 +22,7 @@ from fedsim import config as C
 from fedsim.engine.arrays import resident_record
 from fedsim.errors import ConfigError
 from fedsim.threads import torch_threads  # noqa: F401  (re-exported: engines import it from here)
-from fedsim.registry import LEARNERS
+from fedsim.registry import LEARNERS, import_plugins
 from fedsim.seeding import derive_seed
 
 from fedsim.contracts.wire import NUM_EXAMPLES, PARTITION_ID, UNIT_WEIGHT  # noqa: F401  (engines import them from here)
@@ -161,7 +161,9 @@ def _parse_config(text: str) -> C.ExperimentConfig:
             import yaml
 
             _configs[text] = C.from_container(yaml.safe_load(text))
-        return _configs[text]
+        cfg = _configs[text]
+    import_plugins(cfg.plugins)  # an engine's process (Ray actor, Flower client) registers the user's names too
+    return cfg
 
 
 def get_learner(spec: RunSpec) -> Any:
