@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fedsim.config import ExperimentConfig
-from fedsim.contracts.strategy import WHOLE_MODEL_UPDATES, declares
+from fedsim.contracts.strategy import MEAN_AGGREGATION, WHOLE_MODEL_UPDATES, declares
 from fedsim.contracts.wire import UNIT_WEIGHT
 from fedsim.errors import ConfigError
 from privacy.accounting import calibrate_noise
@@ -56,6 +56,11 @@ def wrap_client_level(strategy: Any, cfg: ExperimentConfig, sampled_per_round: i
     if not isinstance(strategy, FedAvg) or not declares(strategy, WHOLE_MODEL_UPDATES):
         raise ConfigError(f"privacy.level=client needs a strategy that sends one model and receives whole "
                           f"models (fedavg, fedprox, fedphoenix); {cfg.strategy.name!r} does not")
+    if not declares(strategy, MEAN_AGGREGATION):
+        raise ConfigError(f"privacy.level=client calibrates its noise for the uniform mean of the clipped updates "
+                          f"(fedavg, fedprox, fedphoenix); strategy {cfg.strategy.name!r} aggregates otherwise, so "
+                          f"the noise would not give the stated epsilon; use privacy.level=sample or "
+                          f"strategy.name=fedavg")
     strategy.weighted_by_key = UNIT_WEIGHT
     plan = plan_client_level(cfg, sampled_per_round)
     return DifferentialPrivacyServerSideFixedClipping(strategy, noise_multiplier=plan.noise_multiplier,

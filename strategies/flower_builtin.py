@@ -132,7 +132,12 @@ class _Stock:
     * aggregation under ``gc.freeze()``: Flower's ``ArrayRecord.to_numpy_ndarrays(keep_input=False)``
       (Bulyan, QFedAvg: once per reply) forces a full ``gc.collect()``, which scans every object of
       the process (~0.7 s with torch and MLflow loaded); frozen, it scans only the round's new objects.
+
+    None of them returns the plain mean of the replies, so none declares ``mean_aggregation``
+    (client-level DP refuses them: :mod:`privacy.client_level`).
     """
+
+    mean_aggregation = False
 
     def aggregate_train(self, server_round: int, replies: Any) -> Any:
         frozen = gc.get_freeze_count() > 0
@@ -279,10 +284,6 @@ def _register(name: str, stock: Stock) -> None:
     params_cls = params_dataclass(stock.cls)
 
     def build(ctx: StrategyContext, params: Any) -> Any:
-        if ctx.cfg.privacy.enabled and ctx.cfg.privacy.level == "client":
-            raise ConfigError(f"privacy.level=client calibrates its noise for the uniform mean of the clipped updates "
-                              f"(fedavg, fedprox, fedphoenix); strategy {name!r} aggregates otherwise, so the noise "
-                              f"would not give the stated epsilon; use privacy.level=sample or strategy.name=fedavg")
         if stock.check is not None:
             stock.check(ctx, params)
         kwargs = {**ctx.fedavg_kwargs(), **{k: f(ctx) for k, f in stock.derived.items()},

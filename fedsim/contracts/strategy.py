@@ -7,6 +7,11 @@ A strategy class may set, as a class attribute:
   every client receives the same model and replies with all of it, so server-side client-level DP
   (clip each update, average uniformly, add noise) applies.  The LoRA strategies (partial
   replies), FedMut (per-client models) and CKA-RL set it False.
+* :data:`MEAN_AGGREGATION` (``mean_aggregation``, default True): ``aggregate_train`` returns the
+  weighted mean of the replies and nothing else, so with unit weights it is the uniform mean whose
+  sensitivity (C/m for updates clipped to C) client-level DP's noise is calibrated for.  Robust
+  aggregators (median, trimmed mean, Krum, Bulyan), server optimisers (FedAdam, FedAvgM ...) and
+  loss-weighted QFedAvg set it False.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from fedsim.config import ExperimentConfig
 
 
 WHOLE_MODEL_UPDATES = "whole_model_updates"
+MEAN_AGGREGATION = "mean_aggregation"
 
 
 def declares(strategy: object, capability: str, default: bool = True) -> bool:
