@@ -565,6 +565,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         sys.stderr.write("fedsim: interrupted; the run was recorded as KILLED\n")
         exit_soon(130)  # a thread stuck on a hung client must not keep the process alive
+        if argv is None:  # the fedsim process itself (not a caller of main()): end it now, see end_interrupted
+            from fedsim.run_lifecycle import end_interrupted
+
+            end_interrupted(130)
         return 130
 
 
