@@ -64,6 +64,45 @@ temperature counts come from the long-tailed training graph by default
 (``temperature_counts=original`` is the authors' whole-original-graph count, which on a balanced
 original graph makes every ``tau_y = 1``); evaluation is deterministic (the authors' dropout stays
 on at test time); the federated variant is a design of ours (the paper is centralised).
+
+**Why the default CSBM run collapses (issue #30).**  The cause is the authors' own algorithm, not
+a deviation of ours. ``fedsim run imgda`` (seed 0) ends at target macro-F1 0.107 with nearly every
+target node in one class. Checked against the authors' ``main.py`` / ``utils.py`` / ``Models.py``,
+the following all match: the loss formulas, signs and weights (1, 1, 1); L2 normalisation before
+every similarity; prototypes taken as non-detached means over all class nodes; compensation on
+both source branches in training only; inference with the global branch and no compensation;
+Adam lr 0.01 / weight decay 1e-3; 200 epochs; the PPMI construction; and no GRL. There is no
+pseudo-label threshold in their code (the argmax is always accepted). Per-epoch diagnostics
+(seed 0):
+
+* the global branch goes to one class from the first epochs (1,314 / 1,500 after epoch 0, about
+  1,450 from epoch 10 on). The same model's *local* branch scores 0.48 on the target, against
+  0.53 for the source-only GCN, and the global branch scores 0.72-0.78 on the source
+  validation nodes;
+* none of ImGDA's own terms is needed for the collapse. A GCN trained with CE alone on the global
+  branch, with no compensation, ``L_cb`` or ``L_cd``, gets 0.14 (1,425 nodes in one class).
+  ``temperature_counts=original ppmi_clip=false`` (the authors' exact knobs) gets 0.12.
+  Compensation makes it worse (0.10 with it, 0.20 without; the classifier is fitted on
+  compensated embeddings and predicts on uncompensated ones), but it is the authors' design;
+* the trigger is the CSBM's target shift, amplified by PPMI. PPMI averages over up to 5 random-walk
+  hops. On the target (homophily 0.67) the PPMI operator's same-class weight share is 0.45, and
+  it keeps 0.34 of the centred class indicator per layer. The adjacency keeps 0.62 on the
+  target, and PPMI keeps 0.71 on the long-tailed source it is trained on. A common feature offset
+  passes either operator whole (row sums about 1). Target embeddings therefore sit near a shifted
+  centre, and the classifier sends them to the class nearest it. The offset of seed 0 is most
+  aligned with class 3's mean (cosine 0.16), and the collapse is onto class 3. Seed 2 collapses
+  onto classes 3 and 4 (cosines 0.07, 0.16). Seed 1 (largest cosine 0.08) does not collapse
+  (0.61);
+* either shift alone is enough on seeds 0 and 2 (over seeds 0/1/2: feature shift only 0.41 / 0.95
+  / 0.37; structure shift only 0.33 / 0.61 / 0.41). With no shift the global branch is sound
+  (CE-only 0.73 / -- / 0.85; ImGDA 0.66 / -- / 0.87 on seeds 0 / 2). Feature separability does not
+  rescue it: with ``graph.class_sep=2``, ImGDA scores 0.50 on average against 0.88 for source-only
+  and 0.82 for ImGDA with ``infer=local``.
+
+So on this CSBM, claim 1 (ImGDA beats the baselines) fails because the authors predict from the
+PPMI branch, which is fragile to a target shift. ``infer=local`` is the diagnostic that separates
+the branch from the losses. ``tests/clients/graph/test_imgda_collapse.py`` pins both halves:
+the global branch is sound without a shift and loses to the local one under it.
 """
 
 from __future__ import annotations
