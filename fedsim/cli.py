@@ -1,4 +1,4 @@
-"""The ``fedsim`` command line: ``list``, ``run``, ``reproduce``, ``sweep``, ``compare``, ``ui``.
+"""The ``fedsim`` command line: ``list``, ``run``, ``reproduce``, ``sweep``, ``compare``, ``ui``, ``export``.
 
 Errors the user can fix print one line (``fedsim: error: ...``) and exit 2, never a traceback.
 """
@@ -130,6 +130,19 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--grid", nargs="+", default=[], metavar="KEY=V1,V2",
                     help="grid axes, e.g. eps=1,3,6 strategy=fedsvd,ffa_lora client.lr=0.01,0.05")
     sw.add_argument("--seeds", type=_seed_count, help="number of seeds (0..N-1) per configuration")
+    sw.add_argument("--samples", type=_positive_int, metavar="N",
+                    help="random search: N configurations drawn from the --search ranges (each × every seed)")
+    sw.add_argument("--search", action="append", default=[], metavar="KEY=DIST",
+                    help="a random-search range (repeat for several): uniform(LO,HI), loguniform(LO,HI), "
+                         "randint(LO,HI) (HI excluded), quniform/qloguniform/qrandint(LO,HI,Q), lograndint(LO,HI), "
+                         "choice(V1,V2,...); e.g. client.lr=loguniform(0.01,1)")
+    sw.add_argument("--search-seed", type=int, help="seeds the random search: the same seed, the same samples (default 0)")
+    sw.add_argument("--asha", metavar="METRIC", help="stop poor trials early with Ray Tune's ASHA on this per-round "
+                                                     "metric, e.g. eval/accuracy")
+    sw.add_argument("--asha-mode", choices=["max", "min"], help="maximise (default) or minimise the --asha metric")
+    sw.add_argument("--grace-period", type=_positive_int, help="ASHA: rounds every trial runs first (default 1)")
+    sw.add_argument("--reduction-factor", type=_finite_float,
+                    help="ASHA: keep the top 1/F of the trials at each rung (default 4)")
     sw.add_argument("--address", help="an existing Ray cluster (e.g. auto); default: $RAY_ADDRESS or a local runtime")
     sw.add_argument("--cpus-per-trial", type=_finite_float, help="CPUs each trial reserves (and its torch threads)")
     sw.add_argument("--max-concurrent", type=_positive_int, help="at most this many trials at once (default: as CPUs allow)")
@@ -145,6 +158,16 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a metric to compare (repeat for several; default: the sweep's own metrics)")
     cmp.add_argument("--out", help="where to write the plots (default: a temporary folder; logged to the parent)")
     cmp.add_argument("--tracking-uri", help="MLflow tracking URI")
+
+    ex = sub.add_parser("export", help="write an experiment as a Flower app that `flwr run` executes")
+    ex.add_argument("experiment", help="experiment name or path/to/experiment.yaml (a federated one)")
+    ex.add_argument("dir", help="the app directory to write (new or empty; --force overwrites)")
+    ex.add_argument("overrides", nargs="*", help="OmegaConf dotlist overrides, e.g. client.lr=0.05")
+    ex.add_argument("--rounds", type=_positive_int, help="number of federated rounds (the app's num-server-rounds)")
+    ex.add_argument("--clients", type=_positive_int, help="number of simulated clients (the federation's SuperNodes)")
+    ex.add_argument("--seed", type=_positive_int, help="root seed")
+    ex.add_argument("--force", action="store_true", help="write into DIR even if it is not empty")
+    _add_plugin_arg(ex)
 
     ui = sub.add_parser("ui", help="open the MLflow UI on 127.0.0.1 over the same store")
     ui.add_argument("--port", type=_port, default=5000, help="a free TCP port on 127.0.0.1 (1-65535)")
@@ -374,12 +397,19 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from fedsim.sweep import load_sweep, run_sweep
 
     name, spec = load_sweep(args.sweep, grid=args.grid, seeds=args.seeds, overrides=args.overrides,
-                            cpus_per_trial=args.cpus_per_trial, max_concurrent=args.max_concurrent)
+                            cpus_per_trial=args.cpus_per_trial, max_concurrent=args.max_concurrent,
+                            search=args.search, samples=args.samples, search_seed=args.search_seed,
+                            asha=args.asha, asha_mode=args.asha_mode, grace_period=args.grace_period,
+                            reduction_factor=args.reduction_factor)
     if args.plugin:
         spec.overrides.append(_plugins_override(args.plugin))
     console = Console()
-    console.print(f"[bold]sweep {name}[/bold]: {spec.experiment}, grid {dict(spec.grid)}, {len(spec.seeds)} seeds, "
-                  f"{spec.cpus_per_trial:g} CPU(s) per trial", highlight=False)
+    search = (f", {spec.samples} samples of {dict(spec.search)} (seed {spec.search_seed})" if spec.samples else "")
+    asha = (f", ASHA on {spec.asha.metric} ({spec.asha.mode}, grace {spec.asha.grace_period}, "
+            f"reduction {spec.asha.reduction_factor:g})" if spec.asha else "")
+    grid = f", grid {dict(spec.grid)}" if spec.grid or not spec.samples else ""
+    console.print(f"[bold]sweep {name}[/bold]: {spec.experiment}{grid}{search}{asha}, "
+                  f"{len(spec.seeds)} seeds, {spec.cpus_per_trial:g} CPU(s) per trial", highlight=False)
     with console.status("starting Ray ...") as status:
         results, parent, progress = run_sweep(
             name, spec, tracking_uri=args.tracking_uri, address=args.address, resume_parent=args.resume,
@@ -388,6 +418,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             on_message=lambda msg: console.print(f"[red]{msg}[/red]", highlight=False))
     console.print(progress.line(), highlight=False)
     _print_table(console, f"sweep {name}: mean ± std over {len(spec.seeds)} seeds", results_table_rows(spec, results))
+    for child, stop_round in sorted(progress.stops.items()):
+        console.print(f"stopped by ASHA at round {stop_round}: {child}", highlight=False)
     console.print(f"MLflow parent run {parent}; compare with [bold]fedsim compare {parent}[/bold] "
                   f"or [bold]fedsim ui[/bold].", highlight=False)
     return 1 if progress.failed else 0
@@ -414,6 +446,20 @@ def cmd_compare(args: argparse.Namespace) -> int:
     _print_table(console, f"{cmp.title}: final values, mean ± std over seeds", rows)
     where = f"logged to run {cmp.parent_id} under compare/" if cmp.parent_id else "written"
     console.print(f"{len(paths)} files {where}: {paths[0].parent if paths else ''}", highlight=False)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """``fedsim export NAME DIR``: the experiment as a Flower app (see fedsim/export.py)."""
+    from fedsim.export import export_app, export_config, package_name
+
+    flags = {"rounds": args.rounds, "clients": args.clients, "seed": args.seed}
+    cfg = export_config(args.experiment, args.overrides, flags, args.plugin)
+    export_app(args.dir, cfg, force=args.force)
+    print(f"wrote the Flower app of {cfg.name} ({cfg.strategy.name}, {cfg.rounds} rounds, {cfg.num_clients} "
+          f"clients) to {args.dir}: pyproject.toml, README.md, {package_name(cfg.name)}/")
+    print(f"run it where fedsim is installed: FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 flwr run {args.dir} "
+          f"--stream --federation-config \"num-supernodes={cfg.num_clients}\"")
     return 0
 
 
@@ -533,7 +579,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     args.started = started
-    if args.command in ("run", "reproduce", "sweep"):  # overrides may come after flags: collect the key=value leftovers
+    if args.command in ("run", "reproduce", "sweep", "export"):  # overrides may come after flags: collect the key=value leftovers
         args.overrides = [*args.overrides, *(e for e in extra if "=" in e and not e.startswith("-"))]
         extra = [e for e in extra if e not in args.overrides]
     if extra:
@@ -556,6 +602,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_sweep(args)
         if args.command == "compare":
             return cmd_compare(args)
+        if args.command == "export":
+            return cmd_export(args)
         return cmd_ui(args)
     except FedsimError as exc:
         sys.stderr.write(f"fedsim: error: {exc}\n")

@@ -18,6 +18,14 @@ failures) and logs one MLflow child run under the sweep's parent run.
   marked KILLED and rerun.
 * **Results:** the same table and plots as a claim check (:mod:`fedsim.reproduce`), logged to the
   parent; ``fedsim compare PARENT_RUN_ID`` prints and plots them again at any time.
+* **Random search:** ``--samples N --search client.lr=loguniform(0.01,1)`` draws N configurations
+  with Ray Tune's own search-space functions (``tune.loguniform`` ...) and their ``sample``, seeded by
+  ``--search-seed`` (the same seed, the same samples); each sample × each seed is one trial (all seeds
+  of a sample share its values); with a grid, every grid point gets the N samples.
+* **ASHA:** ``--asha eval/accuracy`` reports that metric to Tune every round (an observer of the
+  round loop) and lets Tune's ASHA scheduler stop the poor trials early; a stopped trial's child run
+  ends KILLED with the tags ``fedsim.stopped_by=asha`` and ``fedsim.stopped_at_round``; it is not a
+  failure, and the parent's ``results.md`` lists the stopped trials.
 
 Ray Tune's own MLflow callback is not used: fedsim's runs already log params, per-round metrics,
 plots and the model, and a second logger would duplicate every run.
@@ -29,9 +37,11 @@ import contextlib
 import logging
 import math
 import os
+import re
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -57,11 +67,30 @@ MAX_CPUS_PER_TRIAL = 1024
 
 
 @dataclass
+class AshaSpec:
+    """Tune's ASHA scheduler on a per-round metric (``time_attr`` is the round)."""
+
+    metric: str = "eval/accuracy"
+    mode: str = "max"  # max | min
+    grace_period: int = 1  # rounds every trial runs before it can be stopped
+    reduction_factor: float = 4.0  # Tune's default: keep the top 1/4 at each rung
+
+
+@dataclass
 class SweepSpec(ClaimSpec):
-    """A claim spec plus the trials' resources."""
+    """A claim spec plus the trials' resources, an optional random search and ASHA."""
 
     cpus_per_trial: float = 1.0
     max_concurrent: int = 0  # 0: as many trials at once as the CPUs allow
+    search: dict[str, str] = field(default_factory=dict)  # key -> "loguniform(0.01, 1)" ...
+    samples: int = 0  # random-search samples (each × every seed); 0: no random search
+    search_seed: int = 0  # seeds Tune's sampling: the same seed, the same samples
+    asha: Optional[AshaSpec] = None
+
+
+#: ASHA's tag on a child run it stopped, and the round it stopped at.
+STOPPED_BY_TAG = "fedsim.stopped_by"
+STOPPED_AT_TAG = "fedsim.stopped_at_round"
 
 
 @dataclass
@@ -73,11 +102,16 @@ class SweepProgress:
     running: int = 0
     failed: int = 0
     read_back: int = 0
+    stopped: int = 0  # stopped early by ASHA (not failures)
     failures: list[str] = field(default_factory=list)
+    stops: dict[str, int] = field(default_factory=dict)  # child name -> the round ASHA stopped it at
+    stop_metrics: dict[str, dict[str, float]] = field(default_factory=dict)  # child name -> that round's metrics
+    round_reports: int = 0  # per-round results the trials reported to ASHA
 
     def line(self) -> str:
-        pending = self.total - self.done - self.running - self.failed
+        pending = self.total - self.done - self.running - self.failed - self.stopped
         return (f"trials: {self.done} done, {self.running} running, {self.failed} failed, {pending} pending"
+                + (f", {self.stopped} stopped by ASHA" if self.stopped else "")
                 + (f" ({self.read_back} read back)" if self.read_back else ""))
 
 
@@ -134,10 +168,146 @@ def _expand_key(key: str, experiment: str) -> str:
     return key
 
 
+# -- random search --------------------------------------------------------------------------------
+#: The distributions ``--search KEY=DIST(...)`` accepts: Ray Tune's search-space functions.
+SEARCH_FORMS = ("uniform(LO,HI), quniform(LO,HI,Q), loguniform(LO,HI), qloguniform(LO,HI,Q), "
+                "randint(LO,HI) (HI excluded, as in Tune), qrandint(LO,HI,Q), lograndint(LO,HI), "
+                "choice(V1,V2,...)")
+_ARITY = {"uniform": 2, "quniform": 3, "loguniform": 2, "qloguniform": 3, "randint": 2, "qrandint": 3,
+          "lograndint": 2}
+_INTEGER = {"randint", "qrandint", "lograndint"}
+
+
+@dataclass(frozen=True)
+class Dist:
+    """One parsed ``--search`` distribution: a Ray Tune search-space function and its arguments."""
+
+    kind: str
+    args: tuple[Any, ...]
+
+    def domain(self) -> Any:
+        """The Tune domain (``tune.loguniform(0.01, 1)`` ...); imports Ray Tune."""
+        from ray import tune
+
+        if self.kind == "choice":
+            return tune.choice(list(self.args))
+        return getattr(tune, self.kind)(*self.args)
+
+    def text(self) -> str:
+        return f"{self.kind}({', '.join(str(a) for a in self.args)})"
+
+
+def parse_distribution(key: str, text: Any) -> Dist:
+    """``"loguniform(0.01, 1)"`` → ``Dist("loguniform", (0.01, 1.0))``; anything else is a one-line
+    ConfigError naming ``key`` and the accepted forms (checked without importing Ray)."""
+    def bad(why: str) -> ConfigError:
+        return ConfigError(f"--search {key}={text}: {why}; write one of {SEARCH_FORMS}")
+
+    m = re.fullmatch(r"\s*([A-Za-z_]+)\s*\((.*)\)\s*", str(text), re.S)
+    if not isinstance(text, str) or m is None:
+        raise bad("not a distribution")
+    kind, inner = m.group(1).lower(), m.group(2)
+    parts = [p.strip() for p in inner.split(",")] if inner.strip() else []
+    if kind == "choice":
+        if not parts or any(not p for p in parts):
+            raise bad("choice needs one or more comma-separated values")
+        try:
+            values = tuple(_scalar(p) for p in parts)
+        except ConfigError:
+            raise bad("choice values must be plain values") from None
+        return Dist("choice", values)
+    if kind not in _ARITY:
+        raise bad(f"unknown distribution {kind!r}")
+    if len(parts) != _ARITY[kind]:
+        raise bad(f"{kind} takes {_ARITY[kind]} numbers, got {len(parts)}")
+    try:
+        nums = [float(p) for p in parts]
+    except ValueError:
+        raise bad(f"{kind} takes numbers") from None
+    if not all(math.isfinite(v) for v in nums):
+        raise bad("the bounds must be finite")
+    if kind in _INTEGER:
+        if not all(v.is_integer() for v in nums):
+            raise bad(f"{kind} takes integers")
+        nums = [int(v) for v in nums]  # type: ignore[misc]
+    lo, hi = nums[0], nums[1]
+    if not lo < hi:
+        raise bad(f"the lower bound must be below the upper one, got {parts[0]} and {parts[1]}")
+    if kind.startswith(("log", "qlog")) and lo <= 0:
+        raise bad(f"{kind} needs a lower bound > 0")
+    if len(nums) == 3 and not nums[2] > 0:
+        raise bad("the step Q must be > 0")
+    return Dist(kind, tuple(nums))
+
+
+def parse_search(items: list[str] | dict[str, Any], experiment: str) -> dict[str, Dist]:
+    """``["client.lr=loguniform(0.01,1)", "strategy=choice(fedavg,fedprox)"]`` (or a sweep file's
+    ``search:`` mapping) → ``{"client.lr": Dist(...), "strategy.name": Dist(...)}``."""
+    pairs: list[tuple[str, Any]] = []
+    if isinstance(items, dict):
+        pairs = [(str(k), v) for k, v in items.items()]
+    else:
+        for item in items:
+            key, sep, dist = item.partition("=")
+            if not sep or not key.strip() or not dist.strip():
+                raise ConfigError(f"--search {item!r}: write KEY=DIST, DIST one of {SEARCH_FORMS} "
+                                  f"(e.g. client.lr=loguniform(0.01,1))")
+            pairs.append((key.strip(), dist.strip()))
+    return {_expand_key(k, experiment): parse_distribution(k, v) for k, v in pairs}
+
+
+def sample_settings(search: dict[str, Dist], samples: int, seed: int) -> list[dict[str, Any]]:
+    """``samples`` draws of the search space with Tune's own sampling (``Domain.sample``), seeded:
+    the same ``seed`` gives the same samples. No Ray runtime is started."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    domains = {k: d.domain() for k, d in search.items()}
+    return [{k: _plain(dom.sample(random_state=rng)) for k, dom in domains.items()} for _ in range(samples)]
+
+
+def _plain(value: Any) -> Any:
+    """A sampled numpy scalar as a Python one (it goes into an override and an MLflow name)."""
+    item = getattr(value, "item", None)
+    return item() if callable(item) else value
+
+
+def _short(value: Any) -> Any:
+    return f"{value:.3g}" if isinstance(value, float) else value
+
+
+@dataclass
+class Trial:
+    """One configuration of a sweep: its setting (the overrides) and its label (the child's name)."""
+
+    label: str
+    setting: dict[str, Any]
+
+
+def sweep_settings(spec: SweepSpec) -> list[Trial]:
+    """The sweep's configurations: the grid, or the grid × the random-search samples (labelled
+    ``s0: lr=0.0235, alpha=3.1``, the sample index first so rounded values never collide)."""
+    grid = settings(spec) if spec.grid else [{}]
+    if not spec.samples:
+        return [Trial(label_of(s), s) for s in grid]
+    search = parse_search(spec.search, spec.experiment)
+    drawn = sample_settings(search, spec.samples, spec.search_seed)
+    out = []
+    for g in grid:
+        for i, s in enumerate(drawn):
+            label = ", ".join(t for t in (label_of(g), label_of({k: _short(v) for k, v in s.items()})) if t)
+            out.append(Trial(f"s{i}: {label}", {**g, **s}))
+    return out
+
+
 def load_sweep(name: str, *, grid: list[str] | None = None, seeds: int | None = None,
                overrides: list[str] | None = None, cpus_per_trial: float | None = None,
-               max_concurrent: int | None = None) -> tuple[str, SweepSpec]:
-    """A sweep file (``experiments/sweeps/NAME.yaml`` or a path) or an experiment plus ``--grid``."""
+               max_concurrent: int | None = None, search: list[str] | None = None,
+               samples: int | None = None, search_seed: int | None = None, asha: str | None = None,
+               asha_mode: str | None = None, grace_period: int | None = None,
+               reduction_factor: float | None = None) -> tuple[str, SweepSpec]:
+    """A sweep file (``experiments/sweeps/NAME.yaml`` or a path) or an experiment plus ``--grid``
+    and/or ``--samples N --search KEY=DIST``; ``asha`` (a metric) adds Tune's ASHA scheduler."""
     path = Path(name) if name.endswith((".yaml", ".yml")) else SWEEPS_DIR / f"{name}.yaml"
     data = C.read_yaml(path) if path.is_file() else None
     if isinstance(data, dict) and "experiment" in data:  # a sweep file
@@ -148,14 +318,31 @@ def load_sweep(name: str, *, grid: list[str] | None = None, seeds: int | None = 
         label = path.stem
         if grid:
             spec.grid = {**spec.grid, **parse_grid(grid, spec.experiment)}
-    else:  # an experiment and a --grid
-        if not grid:
+    else:  # an experiment and a --grid and/or a --search
+        if not grid and not search:
             known = ", ".join(list_sweeps()) or "none"
             raise ConfigError(f"no sweep file named {name!r} (known: {known}); to sweep the experiment "
-                              f"{name!r} give a grid: fedsim sweep {name} --grid KEY=V1,V2")
+                              f"{name!r} give a grid: fedsim sweep {name} --grid KEY=V1,V2 (or a random "
+                              f"search: --samples N --search KEY=DIST)")
         C.experiment_path(name)  # a clear error for an unknown experiment
-        spec = SweepSpec(experiment=name, grid=parse_grid(grid, name))
+        spec = SweepSpec(experiment=name, grid=parse_grid(grid, name) if grid else {})
         label = Path(name).stem
+    if search:
+        spec.search = {**spec.search, **{k: d.text() for k, d in parse_search(search, spec.experiment).items()}}
+    if samples is not None:
+        spec.samples = samples
+    if search_seed is not None:
+        spec.search_seed = search_seed
+    if asha is not None:
+        spec.asha = AshaSpec(metric=asha)
+    if spec.asha is None and any(v is not None for v in (asha_mode, grace_period, reduction_factor)):
+        raise ConfigError("--asha-mode, --grace-period and --reduction-factor tune ASHA: give --asha METRIC too")
+    if spec.asha is not None:
+        spec.asha.mode = asha_mode or spec.asha.mode
+        spec.asha.grace_period = grace_period if grace_period is not None else spec.asha.grace_period
+        spec.asha.reduction_factor = reduction_factor if reduction_factor is not None else spec.asha.reduction_factor
+        _check_asha(spec.asha)
+    _check_search(spec, label)
     if seeds is not None:
         if seeds < 1:
             raise ConfigError(f"--seeds must be >= 1, got {seeds}")
@@ -165,8 +352,9 @@ def load_sweep(name: str, *, grid: list[str] | None = None, seeds: int | None = 
         spec.cpus_per_trial = cpus_per_trial
     if max_concurrent is not None:
         spec.max_concurrent = max_concurrent
-    if not spec.grid:
-        raise ConfigError(f"sweep {label!r}: the grid is empty; give --grid KEY=V1,V2")
+    if not spec.grid and not spec.samples:
+        raise ConfigError(f"sweep {label!r}: the grid is empty; give --grid KEY=V1,V2 "
+                          f"(or --samples N --search KEY=DIST)")
     if not (math.isfinite(spec.cpus_per_trial) and 0 < spec.cpus_per_trial <= MAX_CPUS_PER_TRIAL):
         raise ConfigError(f"cpus_per_trial must be > 0 (a finite number, at most {MAX_CPUS_PER_TRIAL}), "
                           f"got {spec.cpus_per_trial}")
@@ -178,6 +366,32 @@ def load_sweep(name: str, *, grid: list[str] | None = None, seeds: int | None = 
         raise ConfigError(f"{spec.experiment!r} is a centralised-track method; sweep it with "
                           f"`fedsim reproduce` (a claim spec) for now")
     return label, spec
+
+
+def _check_search(spec: SweepSpec, label: str) -> None:
+    """A random search needs both ``samples`` and ``search``; its keys must not also be grid axes."""
+    if not 0 <= spec.samples <= 100_000:
+        raise ConfigError(f"--samples must be in [1, 100000], got {spec.samples}")
+    if spec.search and not spec.samples:
+        raise ConfigError(f"sweep {label!r}: --search draws --samples N configurations; give --samples N")
+    if spec.samples and not spec.search:
+        raise ConfigError(f"sweep {label!r}: --samples {spec.samples} needs ranges: --search KEY=DIST "
+                          f"(DIST one of {SEARCH_FORMS})")
+    parsed = parse_search(spec.search, spec.experiment)  # a sweep file's ranges are checked here
+    both = sorted(set(parsed) & set(spec.grid))
+    if both:
+        raise ConfigError(f"{', '.join(both)}: both a grid axis and a --search range; give each key one of them")
+
+
+def _check_asha(asha: AshaSpec) -> None:
+    if asha.mode not in ("max", "min"):
+        raise ConfigError(f"--asha-mode must be max or min, got {asha.mode!r}")
+    if not asha.metric or not isinstance(asha.metric, str):
+        raise ConfigError("--asha takes a per-round metric, e.g. --asha eval/accuracy")
+    if not 1 <= asha.grace_period <= 1_000_000:
+        raise ConfigError(f"--grace-period must be >= 1 round, got {asha.grace_period}")
+    if not (math.isfinite(asha.reduction_factor) and asha.reduction_factor > 1):
+        raise ConfigError(f"--reduction-factor must be > 1, got {asha.reduction_factor}")
 
 
 def trial_config(spec: SweepSpec, setting: dict[str, Any], seed: int) -> C.ExperimentConfig:
@@ -207,8 +421,13 @@ def preflight_resources(spec: SweepSpec, address: str | None) -> None:
                           f"lower it (--cpus-per-trial) or join a cluster with --address")
 
 
-def child_name(setting: dict[str, Any], seed: int) -> str:
-    return f"{label_of(setting)} | seed {seed}"
+def child_name(setting: dict[str, Any] | str, seed: int) -> str:
+    """A trial's MLflow child name: its configuration's label (or the label itself) and the seed."""
+    return f"{setting if isinstance(setting, str) else label_of(setting)} | seed {seed}"
+
+
+#: The key the last report of a trial that ran all its rounds carries (ASHA sweeps).
+FINISHED_KEY = "fedsim_finished"
 
 
 def run_sweep(
@@ -221,22 +440,35 @@ def run_sweep(
     on_progress: Callable[[SweepProgress], None] = lambda p: None,
     on_message: Callable[[str], None] = lambda msg: None,
 ) -> tuple[list[ConfigResult], str, SweepProgress]:
-    """Run the grid × seeds on Ray Tune; returns the per-configuration results, the parent run id and
-    the trial counts."""
+    """Run the grid (× random-search samples) × seeds on Ray Tune; returns the per-configuration
+    results, the parent run id and the trial counts."""
     from fedsim.tracking import MlflowRecorder, git_commit, resolve_tracking_uri
 
-    grid = settings(spec)
-    trials = [(s, seed, trial_config(spec, s, seed)) for s in grid for seed in spec.seeds]  # validate all first
+    configs = sweep_settings(spec)
+    trials = [(t, seed, trial_config(spec, t.setting, seed)) for t in configs for seed in spec.seeds]  # validate all first
     tracking = trials[0][2].tracking
     if not tracking.enabled:
         raise ConfigError("a sweep records its trials as MLflow child runs; remove tracking.enabled=false")
+    max_t = max(cfg.rounds for _, _, cfg in trials)
+    if spec.asha is not None and spec.asha.grace_period > max_t:
+        raise ConfigError(f"--grace-period {spec.asha.grace_period} is more than the {max_t} rounds of the "
+                          f"trials; ASHA could never stop one")
     preflight_resources(spec, address)
     uri = resolve_tracking_uri(tracking_uri, tracking.uri, check=True)  # flag > env > file, checked before Ray
     params = {"claim": name, "base_experiment": spec.experiment, "seeds": len(spec.seeds),
               "grid": str(dict(spec.grid)), "overrides": " ".join(spec.overrides),
               "metric": spec.metric, "extra_metrics": str(list(spec.extra_metrics))}
+    if spec.samples:
+        params.update(search=str(dict(spec.search)), samples=spec.samples, search_seed=spec.search_seed)
+    if spec.asha is not None:
+        params["asha"] = str(vars(spec.asha))
     if resume_parent:
         parent = MlflowRecorder.reopen(uri, resume_parent)
+        logged = parent.client.get_run(parent.run_id).data.params
+        for key in ("search", "samples", "search_seed"):
+            if logged.get(key, "") != str(params.get(key, "")):
+                raise ConfigError(f"--resume {parent.run_id}: that sweep ran with {key}={logged.get(key, '')!r}, "
+                                  f"not {str(params.get(key, ''))!r}; resume it with the same search")
         done = _finished_children(parent, params)
     else:
         parent = MlflowRecorder(uri, tracking.experiment, run_name=f"sweep-{name}",
@@ -245,21 +477,26 @@ def run_sweep(
         done = {}
     progress = SweepProgress(total=len(trials))
     pending = []
-    for setting, seed, cfg in trials:
-        previous = done.get(child_name(setting, seed))
-        if previous is not None and previous.info.status == "FINISHED":
-            progress.done += 1
+    for trial, seed, cfg in trials:
+        child = child_name(trial.label, seed)
+        previous = done.get(child)
+        if previous is not None and (previous.info.status == "FINISHED" or STOPPED_BY_TAG in previous.data.tags):
+            if previous.info.status == "FINISHED":
+                progress.done += 1
+            else:  # stopped by ASHA: a result, not a trial to run again
+                progress.stopped += 1
+                progress.stops[child] = int(previous.data.tags.get(STOPPED_AT_TAG, -1))
             progress.read_back += 1
             continue
         if previous is not None and previous.info.status == "RUNNING":  # left behind by a killed sweep
             parent.client.set_terminated(previous.info.run_id, status="KILLED")
-        pending.append((setting, seed, cfg))
+        pending.append((child, cfg))
     on_progress(progress)
     status = "FAILED"
     try:
         if pending:
-            _run_trials(pending, uri, parent.run_id, spec, address, progress, on_progress, on_message)
-        results = _read_back(parent, spec, grid)
+            _run_trials(pending, uri, parent.run_id, spec, address, progress, on_progress, on_message, max_t)
+        results, stopped = _read_back(parent, spec, configs)
         status = "FINISHED"
     except KeyboardInterrupt:
         status = "KILLED"
@@ -267,13 +504,16 @@ def run_sweep(
     finally:
         if status == "FINISHED":
             _log_results(parent, name, spec, results)
+            if stopped:
+                _log_stopped(parent, spec, stopped)
         parent.finish(status)
     return results, parent.run_id, progress
 
 
-def _run_trials(pending: list[tuple[dict[str, Any], int, C.ExperimentConfig]], uri: str, parent_id: str,
+def _run_trials(pending: list[tuple[str, C.ExperimentConfig]], uri: str, parent_id: str,
                 spec: SweepSpec, address: str | None, progress: SweepProgress,
-                on_progress: Callable[[SweepProgress], None], on_message: Callable[[str], None]) -> None:
+                on_progress: Callable[[SweepProgress], None], on_message: Callable[[str], None],
+                max_t: int = 0) -> None:
     import ray
     from ray import tune
 
@@ -292,42 +532,126 @@ def _run_trials(pending: list[tuple[dict[str, Any], int, C.ExperimentConfig]], u
                               f"lower it (--cpus-per-trial)")
         limit = max(1, int(cpus // spec.cpus_per_trial))
         concurrent = min(limit, spec.max_concurrent) if spec.max_concurrent else limit
-        by_id = {f"t{i:04d}": (child_name(s, seed), cfg) for i, (s, seed, cfg) in enumerate(pending)}
+        by_id = {f"t{i:04d}": (child, cfg) for i, (child, cfg) in enumerate(pending)}
         trainable = tune.with_resources(_make_trainable(uri, parent_id, spec, by_id), {"cpu": spec.cpus_per_trial})
+        scheduler = None
+        if spec.asha is not None:
+            from ray.tune.schedulers import ASHAScheduler
+
+            # a round without the metric (evaluation every k rounds) is not reported: no strict check
+            os.environ.setdefault("TUNE_DISABLE_STRICT_METRIC_CHECKING", "1")
+            scheduler = ASHAScheduler(time_attr="round", metric=spec.asha.metric, mode=spec.asha.mode,
+                                      max_t=max(max_t, spec.asha.grace_period), grace_period=spec.asha.grace_period,
+                                      reduction_factor=spec.asha.reduction_factor)
         tuner = tune.Tuner(
             trainable,
             param_space={"trial": tune.grid_search(list(by_id))},
-            tune_config=tune.TuneConfig(max_concurrent_trials=concurrent, reuse_actors=False),
+            tune_config=tune.TuneConfig(max_concurrent_trials=concurrent, reuse_actors=False, scheduler=scheduler),
             run_config=tune.RunConfig(
                 name=f"fedsim-sweep-{parent_id}", storage_path=str(Path.cwd() / "fedsim-sweeps"), verbose=0,
                 failure_config=tune.FailureConfig(max_failures=0, fail_fast=False),
-                callbacks=[_progress_callback(progress, by_id, on_progress, on_message)]),
+                callbacks=[_progress_callback(progress, by_id, on_progress, on_message, spec.asha is not None)]),
         )
         with _quiet_tune():
             tuner.fit()
+        if spec.asha is not None and not progress.round_reports and progress.done:
+            on_message(f"ASHA saw no per-round {spec.asha.metric}: no trial logged it before its last round, "
+                       f"so none could be stopped (check the metric's name)")
+        if progress.stops:
+            _mark_stopped(uri, parent_id, progress)
     finally:
         if started_here:
             ray.shutdown()
 
 
+class _TuneReporter:
+    """A round observer of an ASHA trial: reports the round's metrics to Tune (``tune.report``).
+
+    The trial's last round is reported by the trainable after the run has finished (ASHA stops every
+    trial at ``max_t``). When ASHA stops the trial, Tune's session ends the trial's thread from inside
+    ``tune.report``: the thread waits there instead, so the child run records nothing more, and the
+    driver ends it KILLED with the ``fedsim.stopped_by`` tags (:func:`_mark_stopped`).
+    """
+
+    def __init__(self, metric: str, rounds: int) -> None:
+        self.metric, self.rounds = metric, rounds
+
+    def on_round(self, record: Any) -> None:
+        metrics = record.as_metrics()
+        if record.round >= self.rounds or self.metric not in metrics:
+            return
+        from ray import tune
+
+        try:
+            tune.report({**_numeric(metrics), "round": record.round})
+        except SystemExit:  # stopped by the scheduler: the actor ends with this thread parked here
+            threading.Event().wait()
+
+
+def _numeric(metrics: dict[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
 def _make_trainable(uri: str, parent_id: str, spec: SweepSpec,
-                    by_id: dict[str, tuple[str, C.ExperimentConfig]]) -> Callable[[dict[str, Any]], dict[str, float]]:
+                    by_id: dict[str, tuple[str, C.ExperimentConfig]]) -> Callable[[dict[str, Any]], dict[str, float] | None]:
     """The Ray Tune function trainable: run one trial's experiment as an MLflow child of ``parent_id``."""
     metric, extras = spec.metric, list(spec.extra_metrics)
+    asha_metric = spec.asha.metric if spec.asha is not None else None
 
-    def trainable(config: dict[str, Any]) -> dict[str, float]:
+    def trainable(config: dict[str, Any]) -> dict[str, float] | None:
         from fedsim.errors import FedsimError
         from fedsim.runner import run_experiment
 
         name, cfg = by_id[config["trial"]]
+        observers = [_TuneReporter(asha_metric, cfg.rounds)] if asha_metric else None
         try:
-            summary = run_experiment(cfg, tracking_uri=uri, parent_run_id=parent_id, run_name=name)
+            summary = run_experiment(cfg, tracking_uri=uri, parent_run_id=parent_id, run_name=name,
+                                     observers=observers)
         except FedsimError as exc:
             raise RuntimeError(f"{name}: {exc}") from None
         final = summary.history.final()
-        return {k: float(final.get(k, math.nan)) for k in [metric, *extras]}
+        out = {k: float(final.get(k, math.nan)) for k in [metric, *extras]}
+        if asha_metric is None:
+            return out
+        from ray import tune
+
+        last = summary.history.records[-1].round if summary.history.records else cfg.rounds
+        try:  # the run has finished: ASHA stopping it at max_t changes nothing
+            tune.report({**_numeric(final), **out, "round": last, FINISHED_KEY: 1.0})
+        except SystemExit:
+            pass
+        return None
 
     return trainable
+
+
+def _mark_stopped(uri: str, parent_id: str, progress: SweepProgress) -> None:
+    """End each child ASHA stopped: KILLED, tagged ``fedsim.stopped_by=asha`` and the round, with the
+    metrics of that round (ASHA decided on them; the trial never got to log them)."""
+    import time
+
+    from mlflow.entities import Metric
+
+    from fedsim.tracking import mlflow_client
+
+    client = mlflow_client(uri)
+    experiment_id = client.get_run(parent_id).info.experiment_id
+    runs = client.search_runs([experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent_id}'",
+                              order_by=["attributes.start_time ASC"], max_results=10000)
+    latest = {r.info.run_name: r for r in runs}
+    for name, stop_round in progress.stops.items():
+        run = latest.get(name)
+        if run is None or run.info.status == "FINISHED" or STOPPED_BY_TAG in run.data.tags:
+            continue
+        run_id = run.info.run_id
+        now = int(time.time() * 1000)
+        items = [Metric(k, v, now, stop_round) for k, v in progress.stop_metrics.get(name, {}).items()
+                 if math.isfinite(v)]
+        for start in range(0, len(items), 500):
+            client.log_batch(run_id, metrics=items[start:start + 500])
+        client.set_tag(run_id, STOPPED_BY_TAG, "asha")
+        client.set_tag(run_id, STOPPED_AT_TAG, str(stop_round))
+        client.set_terminated(run_id, status="KILLED")
 
 
 def _progress_callback(*args: Any) -> Any:
@@ -336,11 +660,13 @@ def _progress_callback(*args: Any) -> Any:
 
     class ProgressCallback(Callback):
         def __init__(self, progress: SweepProgress, by_id: dict[str, tuple[str, Any]],
-                     on_progress: Callable[[SweepProgress], None], on_message: Callable[[str], None]) -> None:
+                     on_progress: Callable[[SweepProgress], None], on_message: Callable[[str], None],
+                     asha: bool = False) -> None:
             self.progress, self.by_id, self.on_progress, self.on_message = progress, by_id, on_progress, on_message
+            self.asha = asha
 
         def __getstate__(self) -> dict[str, Any]:  # Tune saves its state: the driver-side hooks stay out
-            return {"progress": self.progress, "by_id": self.by_id}
+            return {"progress": self.progress, "by_id": self.by_id, "asha": self.asha}
 
         def __setstate__(self, state: dict[str, Any]) -> None:
             self.__dict__.update(state, on_progress=lambda p: None, on_message=lambda m: None)
@@ -349,9 +675,23 @@ def _progress_callback(*args: Any) -> Any:
             self.progress.running += 1
             self.on_progress(self.progress)
 
+        def on_trial_result(self, iteration: int, trials: list, trial: Any, result: dict, **info: Any) -> None:
+            if self.asha and not result.get(FINISHED_KEY):
+                self.progress.round_reports += 1
+
         def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
             self.progress.running -= 1
-            self.progress.done += 1
+            last = trial.last_result or {}
+            if self.asha and not last.get(FINISHED_KEY):  # ASHA stopped it after this round
+                name = self.by_id[trial.config["trial"]][0]
+                self.progress.stopped += 1
+                self.progress.stops[name] = int(last.get("round", -1))
+                self.progress.stop_metrics[name] = {k: float(v) for k, v in last.items()
+                                                    if "/" in k and isinstance(v, (int, float))
+                                                    and not isinstance(v, bool)}
+                self.on_message(f"stopped by ASHA at round {self.progress.stops[name]}: {name}")
+            else:
+                self.progress.done += 1
             self.on_progress(self.progress)
 
         def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
@@ -396,17 +736,40 @@ def _quiet_tune() -> Iterator[None]:
             lg.setLevel(level)
 
 
-def _read_back(parent: Any, spec: SweepSpec, grid: list[dict[str, Any]]) -> list[ConfigResult]:
-    """Per-configuration results from the parent's children in MLflow (the sweep's ledger)."""
+def _read_back(parent: Any, spec: SweepSpec,
+               configs: list[Trial]) -> tuple[list[ConfigResult], list[tuple[str, int, float]]]:
+    """Per-configuration results from the parent's children in MLflow (the sweep's ledger), and the
+    trials ASHA stopped (child name, round, the ASHA metric there): neither a result nor a failure."""
     children = children_by_name(parent)
-    results = []
-    for setting in grid:
-        res = ConfigResult(label_of(setting), setting)
+    results, stopped = [], []
+    for trial in configs:
+        res = ConfigResult(trial.label, trial.setting)
         for seed in spec.seeds:
-            run = children.get(child_name(setting, seed))
+            name = child_name(trial.label, seed)
+            run = children.get(name)
+            if run is not None and STOPPED_BY_TAG in run.data.tags and run.info.status != "FINISHED":
+                metric = spec.asha.metric if spec.asha is not None else spec.metric
+                stopped.append((name, int(run.data.tags.get(STOPPED_AT_TAG, -1)),
+                                float(run.data.metrics.get(metric, math.nan))))
+                continue
             if run is None or run.info.status != "FINISHED":
                 res.failed.append(f"seed {seed}: " + ("not run" if run is None else run.info.status.lower()))
                 continue
             add_logged_run(res, parent, run, spec)
         results.append(res)
-    return results
+    return results, stopped
+
+
+def _log_stopped(parent: Any, spec: SweepSpec, stopped: list[tuple[str, int, float]]) -> None:
+    """Add the trials ASHA stopped to the parent's results.md (after the table, which counts only the
+    trials that ran all their rounds)."""
+    metric = spec.asha.metric if spec.asha is not None else spec.metric
+    path = parent.artifact_dir / "results.md"
+    md = ["", f"## Stopped early by ASHA ({metric}, {spec.asha.mode if spec.asha else 'max'}; "
+              f"not in the table above)", "", f"| trial | stopped at round | {metric} |", "|---|---|---|"]
+    md += [f"| {name.replace('|', chr(92) + '|')} | {rnd} | {'–' if math.isnan(v) else f'{v:.4f}'} |"
+           for name, rnd, v in stopped]
+    with path.open("a") as f:
+        f.write("\n".join(md) + "\n")
+    parent.log_artifact(path)
+    parent.log_metrics({"sweep/stopped_by_asha": float(len(stopped))}, step=0)
