@@ -381,7 +381,7 @@ def run_claim(
         parent = MlflowRecorder.reopen(tracking_uri, resume_parent)
         done = _finished_children(parent, params)
     elif tracking.enabled:
-        parent = MlflowRecorder(tracking_uri, tracking.experiment, run_name=f"reproduce-{Path(name).stem if name.endswith(('.yaml', '.yml')) else name}",
+        parent = MlflowRecorder(tracking_uri, tracking.experiment, run_name=f"reproduce-{Path(name).stem}",
                                 tags={"experiment": f"reproduce/{name}", "kind": "claim-check",
                                       "git_commit": git_commit()})
         parent.log_params(params)

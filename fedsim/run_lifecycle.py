@@ -153,22 +153,20 @@ def tracked_run(recorder: FinishableRun | None, on_end: Callable[[str], None] | 
 
     previous = _install(on_term)
     status = "FAILED"
-    quiet = swallowed_terminations_quiet()
-    quiet.__enter__()
-    try:
-        yield
-        raise_if_terminated()
-        status = "FINISHED"
-    except (KeyboardInterrupt, Terminated):
-        status = "KILLED"
-        _terminated.clear()
-        raise KeyboardInterrupt() from None
-    finally:
+    with swallowed_terminations_quiet():
         try:
-            if recorder is not None:
-                recorder.finish(status)
-            if on_end is not None:
-                on_end(status)
+            yield
+            raise_if_terminated()
+            status = "FINISHED"
+        except (KeyboardInterrupt, Terminated):
+            status = "KILLED"
+            _terminated.clear()
+            raise KeyboardInterrupt() from None
         finally:
-            _restore(previous)
-            quiet.__exit__(None, None, None)
+            try:
+                if recorder is not None:
+                    recorder.finish(status)
+                if on_end is not None:
+                    on_end(status)
+            finally:
+                _restore(previous)

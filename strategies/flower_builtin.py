@@ -208,23 +208,25 @@ def _check_trimmed(ctx: StrategyContext, p: Any) -> None:
     _check_range(p, "beta", lambda v: 0 <= v < 0.5, "in [0, 0.5)")
 
 
-def _check_krum(ctx: StrategyContext, p: Any) -> None:
+def _check_tolerated(ctx: StrategyContext, p: Any, k: int, rule: str) -> None:
+    """``num_malicious_nodes`` f >= 0 and a cohort of at least k·f+3 clients per round."""
     f, n = p.num_malicious_nodes, ctx.train_sample_size
     _check_range(p, "num_malicious_nodes", lambda v: v >= 0, ">= 0")
-    if n < 2 * f + 3:
-        _fail("num_malicious_nodes", f, f"needs at least 2f+3 = {2 * f + 3} clients per round (Krum: n > 2f+2), "
-              f"but the experiment has {_cohort(ctx)}", "lower it or raise num_clients / strategy.fraction_train")
+    if n < k * f + 3:
+        _fail("num_malicious_nodes", f, f"needs at least {k}f+3 = {k * f + 3} clients per round ({rule}), but the "
+              f"experiment has {_cohort(ctx)}", "lower it or raise num_clients / strategy.fraction_train")
+
+
+def _check_krum(ctx: StrategyContext, p: Any) -> None:
+    _check_tolerated(ctx, p, 2, "Krum: n > 2f+2")
+    f, n = p.num_malicious_nodes, ctx.train_sample_size
     if hasattr(p, "num_nodes_to_select") and not 1 <= p.num_nodes_to_select <= n - f:
         _fail("num_nodes_to_select", p.num_nodes_to_select, f"must be in 1..n-f = 1..{n - f} with {_cohort(ctx)} "
               f"and num_malicious_nodes={f}", "set strategy.params.num_nodes_to_select in that range")
 
 
 def _check_bulyan(ctx: StrategyContext, p: Any) -> None:
-    f, n = p.num_malicious_nodes, ctx.train_sample_size
-    _check_range(p, "num_malicious_nodes", lambda v: v >= 0, ">= 0")
-    if n < 4 * f + 3:
-        _fail("num_malicious_nodes", f, f"needs at least 4f+3 = {4 * f + 3} clients per round (Bulyan), but the "
-              f"experiment has {_cohort(ctx)}", "lower it or raise num_clients / strategy.fraction_train")
+    _check_tolerated(ctx, p, 4, "Bulyan")
 
 
 def _check_qfedavg(ctx: StrategyContext, p: Any) -> None:
