@@ -210,6 +210,10 @@ def _check_tune(tune: TuneSpec, spec: Any, grid: list[dict[str, Any]], what: str
         raise ConfigError(f"{what}.seeds is empty")
     if tune.at and not any(matches(s, tune.at) for s in grid):
         raise ConfigError(f"{what}.at: {dict(tune.at)} matches no configuration")
+    for method in sorted(methods):
+        if not any(matches(s, tune.at) and method_of(s, tune.by) == method for s in grid):
+            raise ConfigError(f"{what}.at: no configuration of {tune.by}={method} matches {dict(tune.at)}, so "
+                              f"{method} would run untuned; widen `at` or keep that combination in the grid")
 
 
 # -- verdicts -----------------------------------------------------------------------------------

@@ -11,6 +11,8 @@ A claim spec lives in ``experiments/reproduce/<name>.yaml``::
       data.partition:                       # a mapping value sets several keys under its key
         - {name: dirichlet, alpha: 0.3}
         - {name: iid}
+    exclude:                                # optional: drop the combinations that match an entry
+      - {strategy.name: ffa_lora, eps: .inf}
     seeds: [0, 1, 2]
     metric: eval/accuracy
     moving_average: 10                      # also report the best k-round moving average
@@ -59,6 +61,7 @@ class ClaimSpec:
     description: str = ""
     overrides: list[str] = field(default_factory=list)
     grid: dict[str, list[Any]] = field(default_factory=dict)
+    exclude: list[dict[str, Any]] = field(default_factory=list)  # grid combinations left out
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     metric: str = "eval/accuracy"
     moving_average: int = 0
@@ -171,13 +174,32 @@ def load_claim(name: str, seeds: int | None = None, extra_overrides: list[str] |
     spec.overrides = [*spec.overrides, *(extra_overrides or [])]
     if not spec.grid:
         raise ConfigError(f"{path}: grid is empty; list at least one key with values")
+    _check_exclude(spec, str(path))
     P.validate_protocol(spec, settings(spec), str(path))
     return spec
 
 
 def settings(spec: ClaimSpec) -> list[dict[str, Any]]:
+    """The grid's combinations, less those matching an ``exclude`` entry (every key of the entry equal)."""
     keys = list(spec.grid)
-    return [dict(zip(keys, values)) for values in itertools.product(*(spec.grid[k] for k in keys))]
+    combos = [dict(zip(keys, values)) for values in itertools.product(*(spec.grid[k] for k in keys))]
+    excluded = getattr(spec, "exclude", None) or []
+    return [c for c in combos if not any(P.matches(c, entry) for entry in excluded)]
+
+
+def _check_exclude(spec: ClaimSpec, path: str) -> None:
+    """One-line errors for an ``exclude`` entry that names no grid key or matches no combination."""
+    keys = list(spec.grid)
+    combos = [dict(zip(keys, values)) for values in itertools.product(*(spec.grid[k] for k in keys))]
+    for i, entry in enumerate(spec.exclude):
+        unknown = [k for k in entry if k not in spec.grid]
+        if not entry or unknown:
+            raise ConfigError(f"{path}: exclude {i + 1} names {', '.join(unknown) or 'no key'}, not a grid key "
+                              f"({', '.join(keys)})")
+        if not any(P.matches(c, entry) for c in combos):
+            raise ConfigError(f"{path}: exclude {i + 1} ({entry}) matches no grid combination; check its values")
+    if not settings(spec):
+        raise ConfigError(f"{path}: exclude leaves no grid combination to run")
 
 
 def label_of(setting: dict[str, Any]) -> str:
@@ -383,7 +405,10 @@ def run_claim(
     elif tracking.enabled:
         parent = MlflowRecorder(tracking_uri, tracking.experiment, run_name=f"reproduce-{Path(name).stem}",
                                 tags={"experiment": f"reproduce/{name}", "kind": "claim-check",
-                                      "git_commit": git_commit()})
+                                      "git_commit": git_commit(),
+                                      # the spec's description as the run's MLflow description, kept
+                                      # with the results (docs/claims.md shows it beside them)
+                                      "mlflow.note.content": spec.description})
         parent.log_params(params)
     total = len(tune_list) + len(base_jobs)
     counter = itertools.count(1)

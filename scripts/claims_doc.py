@@ -66,7 +66,9 @@ def fetch_parent(name: str, tracking_uri: str, parent: str, out_dir: Path) -> No
     facts = {"parent": parent, "started": start.strftime("%Y-%m-%d %H:%M UTC"),
              "wall_minutes": None if wall is None else round(wall / 60, 1),
              "git_commit": run.data.tags.get("git_commit", "unknown"),
-             "seconds_per_run": run.data.metrics.get("seconds_per_run")}
+             "seconds_per_run": run.data.metrics.get("seconds_per_run"),
+             # the spec's text when it ran (a later edit of the spec must not relabel old results)
+             "description": run.data.tags.get("mlflow.note.content") or _description(name)}
     (out_dir / "source.yaml").write_text(yaml.safe_dump(facts, sort_keys=False))
 
 
@@ -75,6 +77,12 @@ def _description(name: str) -> str:
     if not spec.is_file():
         return ""
     return str((yaml.safe_load(spec.read_text()) or {}).get("description", ""))
+
+
+def _copied_description(claim_dir: Path) -> str:
+    """The description recorded with a copy (source.yaml), if any."""
+    facts = claim_dir / "source.yaml"
+    return str((yaml.safe_load(facts.read_text()) or {}).get("description") or "") if facts.is_file() else ""
 
 
 def render_claim(name: str, claim_dir: Path, description: str = "") -> str:
@@ -108,7 +116,8 @@ def build(sources_path: Path, root: Path = ROOT, fetch: bool = True) -> str:
         claim_dir = root / "docs" / "claims" / name
         if fetch and entry.get("parent"):
             fetch_parent(name, entry.get("tracking_uri") or "sqlite:///mlflow.db", entry["parent"], claim_dir)
-        sections.append(render_claim(name, claim_dir, entry.get("description") or _description(name)))
+        sections.append(render_claim(name, claim_dir, entry.get("description") or _copied_description(claim_dir)
+                                     or _description(name)))
     legacy = sources.get("legacy")
     if legacy:
         path = root / legacy

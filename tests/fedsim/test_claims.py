@@ -129,6 +129,11 @@ def _spec_file(tmp_path: Path, text: str) -> str:
     ("tune: {grid: {client.local_epochs: [1]}}", "is a claim grid key"),
     ("controls: {floor: {value: 0.1}}", "needs its source"),
     ("interval: wald", "interval must be one of"),
+    ("exclude: [{strategy.nme: fedmut}]", "not a grid key"),
+    ("exclude: [{strategy.name: fedmutt}]", "matches no grid combination"),
+    ("exclude: [{client.local_epochs: 1}, {client.local_epochs: 2}]", "leaves no grid combination"),
+    ("tune: {grid: {client.lr: [0.1]}, metric: val/accuracy, at: {client.local_epochs: 1}}\n"
+     "exclude: [{strategy.name: fedmut, client.local_epochs: 1}]", "fedmut would run untuned"),
 ])
 def test_bad_protocol_is_one_line_exit_2(tmp_path, in_tmp, capsys, protocol: str, message: str) -> None:
     path = _spec_file(tmp_path, BASE + protocol + "\n")
@@ -136,6 +141,16 @@ def test_bad_protocol_is_one_line_exit_2(tmp_path, in_tmp, capsys, protocol: str
     err = capsys.readouterr().err
     assert err.startswith("fedsim: error: ") and message in err and err.count("\n") == 1
     assert not (in_tmp / "mlflow.db").exists()
+
+
+def test_exclude_drops_exactly_the_matching_combinations(tmp_path) -> None:
+    from fedsim.reproduce import load_claim, settings
+
+    spec = load_claim(_spec_file(tmp_path, BASE + "exclude:\n  - {strategy.name: fedmut, client.local_epochs: 2}\n"
+                                 "  - {strategy.name: fedprox}\n"))
+    assert settings(spec) == [
+        {"strategy.name": "fedavg", "client.local_epochs": 1}, {"strategy.name": "fedavg", "client.local_epochs": 2},
+        {"strategy.name": "fedmut", "client.local_epochs": 1}]
 
 
 def test_tuning_needs_a_validation_split(tmp_path) -> None:
@@ -357,7 +372,8 @@ def test_claims_doc_copies_a_parent_run_and_renders_it(tmp_path, tracking_uri, c
 
     doc = _claims_doc()
     client = MlflowClient(tracking_uri)
-    run = client.create_run(client.create_experiment("fedsim"), run_name="reproduce-demo", tags={"git_commit": "abc123"})
+    run = client.create_run(client.create_experiment("fedsim"), run_name="reproduce-demo",
+                            tags={"git_commit": "abc123", "mlflow.note.content": "The spec's text when it ran."})
     art = tmp_path / "art"
     art.mkdir()
     (art / "results.md").write_text("| configuration | final |\n|---|---|\n| a | 0.5 |\n\n## Verdicts\n\nrow\n")
@@ -382,6 +398,11 @@ def test_claims_doc_copies_a_parent_run_and_renders_it(tmp_path, tracking_uri, c
     # --check rebuilds from the copies alone; a hand edit is caught
     sources.write_text("claims:\n  - {name: demo, description: A demo claim.}\nlegacy: docs/claims/legacy.md\n")
     assert doc.main([*args, "--check"]) == 0
+    # without a description in the sources, the one the parent ran with (copied) labels the results
+    sources.write_text("claims:\n  - {name: demo}\nlegacy: docs/claims/legacy.md\n")
+    assert doc.main(args) == 0 and "The spec's text when it ran." in out.read_text()
+    sources.write_text("claims:\n  - {name: demo, description: A demo claim.}\nlegacy: docs/claims/legacy.md\n")
+    assert doc.main(args) == 0
     out.write_text(text + "hand edit\n")
     assert doc.main([*args, "--check"]) == 1
     sources.write_text("claims:\n  - {name: missing}\n")

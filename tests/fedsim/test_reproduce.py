@@ -45,9 +45,9 @@ def test_best_moving_average() -> None:
 
 def test_reproduce_logs_parent_with_children(tmp_path, tracking_uri, capsys) -> None:
     path = tmp_path / "claim.yaml"
-    path.write_text("experiment: fedavg\noverrides: [rounds=1, num_clients=2, data.name=digits, model.name=mlp,"
-                    " data.partition.name=iid]\ngrid:\n  client.lr: [0.05, 0.2]\nseeds: [0, 1]\n"
-                    "extra_metrics: [eval/loss, no/such_metric]\n")
+    path.write_text("experiment: fedavg\ndescription: two learning rates\noverrides: [rounds=1, num_clients=2,"
+                    " data.name=digits, model.name=mlp, data.partition.name=iid]\ngrid:\n  client.lr: [0.05, 0.2]\n"
+                    "seeds: [0, 1]\nextra_metrics: [eval/loss, no/such_metric]\n")
     assert main(["reproduce", str(path), "--tracking-uri", tracking_uri]) == 0
     out = capsys.readouterr().out
     assert "lr=0.05" in out and "lr=0.2" in out and "±" in out
@@ -56,6 +56,7 @@ def test_reproduce_logs_parent_with_children(tmp_path, tracking_uri, capsys) -> 
     parents = [r for r in runs if r.data.tags.get("kind") == "claim-check"]
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId")]
     assert len(parents) == 1 and len(children) == 4
+    assert parents[0].data.tags["mlflow.note.content"] == "two learning rates"  # the run's MLflow description
     assert {c.data.tags["mlflow.parentRunId"] for c in children} == {parents[0].info.run_id}
     assert all(r.info.status == "FINISHED" for r in runs)
     arts = {a.path for a in client.list_artifacts(parents[0].info.run_id)}
