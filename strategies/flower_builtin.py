@@ -245,6 +245,8 @@ class Stock:
     check: Callable[[StrategyContext, Any], None] | None = None
     #: constructor arguments from the experiment beyond ``fedavg_kwargs`` (name -> ctx -> value)
     derived: dict[str, Callable[[StrategyContext], Any]] = dataclasses.field(default_factory=dict)
+    #: the fewest replies it can aggregate, from its params (fedsim.contracts.strategy.MIN_REPLIES)
+    min_replies: Callable[[Any], int] | None = None
 
 
 _CLIENT_LR = {"eta_l": lambda ctx: ctx.cfg.client.lr}
@@ -267,7 +269,8 @@ STOCK: dict[str, Stock] = {
     "multikrum": Stock(flwr_strategy.MultiKrum, "Flower's MultiKrum (Blanchard et al., 2017): FedAvg of the m best "
                        "Krum scores", _check_krum),
     "bulyan": Stock(flwr_strategy.Bulyan, "Flower's Bulyan (El Mhamdi et al., 2018): MultiKrum selection, then a "
-                    "coordinate-wise mean around the median", _check_bulyan),
+                    "coordinate-wise mean around the median", _check_bulyan,
+                    min_replies=lambda p: 4 * p.num_malicious_nodes + 3),
     "qfedavg": Stock(flwr_strategy.QFedAvg, "Flower's q-FedAvg (Li et al., 2020): loss-weighted fair aggregation",
                      _check_qfedavg, {"client_learning_rate": lambda ctx: ctx.cfg.client.lr}),
 }
@@ -291,9 +294,12 @@ def _register(name: str, stock: Stock) -> None:
         kwargs = {**ctx.fedavg_kwargs(), **{k: f(ctx) for k, f in stock.derived.items()},
                   **(dataclasses.asdict(params) if params is not None else {})}
         try:
-            return cls(**kwargs)
+            strategy = cls(**kwargs)
         except ValueError as exc:  # Flower's own checks (e.g. FedTrimmedAvg's beta)
             raise ConfigError(f"strategy.params ({name}): {str(exc).splitlines()[0]}") from None
+        if stock.min_replies is not None:
+            strategy.min_replies = stock.min_replies(params)
+        return strategy
 
     build.__name__ = build.__qualname__ = f"build_{name}"
     build.__doc__ = stock.summary

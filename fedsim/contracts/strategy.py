@@ -12,6 +12,10 @@ A strategy class may set, as a class attribute:
   sensitivity (C/m for updates clipped to C) client-level DP's noise is calibrated for.  Robust
   aggregators (median, trimmed mean, Krum, Bulyan), server optimisers (FedAdam, FedAvgM ...) and
   loss-weighted QFedAvg set it False.
+* :data:`MIN_REPLIES` (``min_replies``, default 0, an int on the instance): the fewest training
+  replies the strategy can aggregate (Krum 2f+3, Bulyan 4f+3).  Flower's robust strategies skip
+  aggregation with only a warning below it, keeping the old model; the engine instead fails the
+  round like any other shortfall of ``strategy.min_train_results``.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from fedsim.config import ExperimentConfig
 
 WHOLE_MODEL_UPDATES = "whole_model_updates"
 MEAN_AGGREGATION = "mean_aggregation"
+MIN_REPLIES = "min_replies"
 
 
 def declares(strategy: object, capability: str, default: bool = True) -> bool:

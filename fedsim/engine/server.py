@@ -62,16 +62,17 @@ def build_strategy(spec: RunSpec) -> Any:
     return strategy
 
 
-def required_results(spec: RunSpec) -> int:
-    """Fewest training replies a round may have before the run fails."""
-    from fedsim.contracts.strategy import StrategyContext
+def required_results(spec: RunSpec, strategy: object | None = None) -> int:
+    """Fewest training replies a round may have before the run fails: ``strategy.min_train_results``,
+    or more when the strategy cannot aggregate fewer (its ``min_replies``, e.g. Bulyan's 4f+3)."""
+    from fedsim.contracts.strategy import MIN_REPLIES, StrategyContext
 
     cfg = spec.cfg
     sample = StrategyContext(cfg, cfg.num_clients).train_sample_size
     if cfg.strategy.min_train_results > sample:
         raise ConfigError(f"strategy.min_train_results={cfg.strategy.min_train_results} exceeds the "
                           f"{sample} clients sampled per round; lower it or raise strategy.fraction_train")
-    return cfg.strategy.min_train_results
+    return max(cfg.strategy.min_train_results, int(getattr(strategy, MIN_REPLIES, 0) or 0))
 
 
 def _prefixed(prefix: str, metrics: dict[str, float], rename: dict[str, str] | None = None) -> dict[str, float]:
@@ -118,7 +119,7 @@ def run_server(grid: Grid, spec: RunSpec, observers: list[RoundObserver], *,
     strategy = build_strategy(spec)
     learner = get_learner(spec)
     system = SystemModel(cfg.engine.system, cfg.seed, learner.local_work) if cfg.engine.system.enabled else None
-    monitored = MonitoredGrid(grid, required_results(spec), query_timeout=cfg.engine.round_timeout_s,
+    monitored = MonitoredGrid(grid, required_results(spec, strategy), query_timeout=cfg.engine.round_timeout_s,
                               system=system, retries=cfg.engine.retries)
     monitored.discover(cfg.num_clients)
     contexts = getattr(grid, "contexts", None)

@@ -189,6 +189,19 @@ def test_two_rounds_on_the_local_engine_differ_from_fedavg(name: str, fedavg_run
     assert not same_model(result.final_arrays, run_experiment(stock_cfg(name, rounds=1)).final_arrays)
 
 
+def test_bulyan_short_of_4f_plus_3_replies_fails_the_round_instead_of_keeping_the_old_model() -> None:
+    """Flower's Bulyan skips aggregation below 4f+3 valid replies with only a warning (the global model
+    silently stays); its ``min_replies`` makes the engine fail the round like any shortfall."""
+    from fedsim.contracts.strategy import MIN_REPLIES
+    from fedsim.errors import RunFailedError
+
+    assert getattr(build("bulyan"), MIN_REPLIES) == 3 and not hasattr(build("krum"), MIN_REPLIES)
+    ok = run_experiment(stock_cfg("bulyan", "engine.faults.fail_partitions=[0]", rounds=1))
+    assert [r["round/clients_ok"] for r in ok.history.as_rows() if r["round"] > 0] == [3.0]  # 3 = 4f+3, f=0
+    with pytest.raises(RunFailedError, match="the strategy needs at least 3"):
+        run_experiment(stock_cfg("bulyan", "engine.faults.fail_partitions=[0,1]", rounds=1))
+
+
 def test_fedavgm_without_momentum_is_fedavg_and_with_momentum_is_not(fedavg_run) -> None:
     plain = run_experiment(stock_cfg("fedavgm", rounds=2))
     finite_rounds(plain)
