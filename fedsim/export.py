@@ -223,8 +223,33 @@ MLflow tracking, checkpoints and `--resume` (fedsim's runner does those: use `fe
 """
 
 
+#: The list of files an export wrote, kept in the app so that ``--force`` removes a previous export's
+#: files (another experiment's package) before writing, and never touches files it did not write.
+MANIFEST = ".fedsim-export"
+
+
+def _remove_previous_export(dest: Path) -> None:
+    manifest = dest / MANIFEST
+    if not manifest.is_file():
+        return
+    root = dest.resolve()
+    for line in manifest.read_text(encoding="utf-8").splitlines():
+        path = (dest / line).resolve()
+        if line and path.is_relative_to(root) and path.is_file():
+            path.unlink()
+            for parent in path.parents:  # the package directories it leaves empty
+                if parent == root or not parent.is_relative_to(root) or any(parent.iterdir()):
+                    break
+                parent.rmdir()
+    manifest.unlink()
+
+
 def export_app(dest: str | Path, cfg: C.ExperimentConfig, *, force: bool = False) -> list[Path]:
-    """Write the Flower app of ``cfg`` (from :func:`export_config`) into ``dest``; the files written."""
+    """Write the Flower app of ``cfg`` (from :func:`export_config`) into ``dest``; the files written.
+
+    ``force`` writes into a non-empty ``dest``: the files of a previous export there (its
+    :data:`MANIFEST`) are removed first, any other file is left alone.
+    """
     dest = Path(dest)
     if dest.exists() and not dest.is_dir():
         raise ConfigError(f"{dest} exists and is not a directory; pass a new or empty directory")
@@ -240,9 +265,12 @@ def export_app(dest: str | Path, cfg: C.ExperimentConfig, *, force: bool = False
         dest / pkg / "client_app.py": _module_text(cfg, "client"),
     }
     try:
+        if force and dest.is_dir():
+            _remove_previous_export(dest)
         for path, text in files.items():
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text, encoding="utf-8")
+        (dest / MANIFEST).write_text("".join(f"{p.relative_to(dest).as_posix()}\n" for p in files), encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"cannot write the app into {dest}: {exc.strerror or exc}") from None
     return list(files)

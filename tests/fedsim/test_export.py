@@ -87,6 +87,15 @@ def test_export_refuses_a_non_empty_dir_unless_forced(tmp_path, capsys):
     assert not (dest / "pyproject.toml").exists()
     assert main(["export", "fedavg_digits", str(dest), *OVERRIDES, "--clients", "3", "--force"]) == 0
     assert (dest / "pyproject.toml").is_file() and (dest / "keep.txt").is_file()
+    old = {p.relative_to(dest).as_posix() for p in dest.rglob("*") if p.is_file()}
+    # another experiment over it: the previous export's package goes, the user's file stays
+    assert main(["export", "fedavg", str(dest), "--clients", "3", "--force"]) == 0
+    new = {p.relative_to(dest).as_posix() for p in dest.rglob("*") if p.is_file()}
+    old_pkg = {n.split("/")[0] for n in old if n.endswith("/server_app.py")}
+    new_pkg = {n.split("/")[0] for n in new if n.endswith("/server_app.py")}
+    assert old_pkg != new_pkg and not (old_pkg & {n.split("/")[0] for n in new}), new
+    assert "keep.txt" in new
+    assert set((dest / ".fedsim-export").read_text().splitlines()) == new - {"keep.txt", ".fedsim-export"}
 
 
 def _free_port() -> int:
