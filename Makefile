@@ -30,7 +30,7 @@ demo: $(STAMP)
 	$(BIN)/fedsim run fedsvd --eps 3
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=20
 
 # The teaching labs in JupyterLab (installs it into .venv the first time).
 lab: $(STAMP)
