@@ -411,12 +411,13 @@ def run_claim(
                                       "mlflow.note.content": spec.description})
         parent.log_params(params)
     total = len(tune_list) + len(base_jobs)
+    reused = {"count": 0}  # final runs that a tuning run stands in for (known once tuning chose)
     counter = itertools.count(1)
     live_seconds: list[float] = []
 
     def execute(job: Job, cfg: Any, metrics: list[str]) -> Outcome | None:
         i = next(counter)
-        where = f"[{i}/{total}] {job.name.rsplit(' | seed ', 1)[0]}, seed {job.seed}"
+        where = f"[{i}/{total - reused['count']}] {job.name.rsplit(' | seed ', 1)[0]}, seed {job.seed}"
         previous = done.get(job.name)
         if previous is not None and previous.info.status == "FINISHED":
             on_progress(f"{where}: finished before, read back")
@@ -453,18 +454,28 @@ def run_claim(
     tuning: list[dict[str, Any]] = []
     status = "FAILED"
     try:
-        chosen = _run_tuning(spec, tune_list, tune_cfgs, execute, tuning, on_progress)
+        tuned_outcomes: dict[tuple[Any, ...], Outcome | None] = {}
+        chosen = _run_tuning(spec, tune_list, tune_cfgs, execute, tuning, on_progress, tuned_outcomes)
         jobs = final_jobs(spec, grid, chosen)
+        reused["count"] = sum(1 for j in jobs if _job_key(j) in tuned_outcomes)
         for job in jobs:
             res = results[job.stage if job.stage in ("floor", "ceiling") else label_of(job.setting)]
             if spec.tune is not None and job.stage == "final":
                 res.tuned = chosen.get(P.method_of(job.setting, spec.tune.by), {})
-            cfg = build_config(spec, job.setting, job.seed, job.extra)
-            try:
-                out = execute(job, cfg, spec.tracked_metrics())
-            except _RunFailed as exc:
-                res.failed.append(f"seed {job.seed}: {exc}")
-                continue
+            key = _job_key(job)
+            if key in tuned_outcomes:  # the same configuration and seed already ran as a tuning candidate
+                out = tuned_outcomes[key]
+                if out is None:
+                    res.failed.append(f"seed {job.seed}: its tuning run (the same configuration) failed")
+                    continue
+                on_progress(f"{job.name}: the tuning run of these values and seed, reused")
+            else:
+                cfg = build_config(spec, job.setting, job.seed, job.extra)
+                try:
+                    out = execute(job, cfg, spec.tracked_metrics())
+                except _RunFailed as exc:
+                    res.failed.append(f"seed {job.seed}: {exc}")
+                    continue
             res.add(out.curve, spec.moving_average, job.seed)
             res.add_extras(out.finals)
             res.client_failures += out.client_failures
@@ -490,12 +501,20 @@ class _RunFailed(Exception):
     """A child run failed (a FedsimError): reported, and the claim check goes on."""
 
 
+def _job_key(job: Job) -> tuple[Any, ...]:
+    """What makes two jobs the same run: the configuration, the seed and the overrides after it."""
+    return (label_of(job.setting), job.seed, tuple(job.extra))
+
+
 def _run_tuning(spec: ClaimSpec, jobs: list[Job], cfgs: list[Any], execute: Callable[..., Outcome | None],
-                table: list[dict[str, Any]], on_progress: Callable[[str], None]) -> dict[str, dict[str, Any]]:
+                table: list[dict[str, Any]], on_progress: Callable[[str], None],
+                outcomes: dict[tuple[Any, ...], Outcome | None] | None = None) -> dict[str, dict[str, Any]]:
     """Run every tuning job; per method, the candidate with the best mean final validation metric.
 
     ``table`` receives one row per (method, candidate): the mean, the runs it rests on, and whether
-    it was chosen. Ties go to the candidate listed first.
+    it was chosen. Ties go to the candidate listed first. ``outcomes`` receives every tuning run's
+    outcome (None: it failed) by :func:`_job_key`, with the final values the final stage tracks, so
+    a final run of the chosen values on a tuning seed is that same run, not a second copy of it.
     """
     if spec.tune is None:
         return {}
@@ -508,9 +527,13 @@ def _run_tuning(spec: ClaimSpec, jobs: list[Job], cfgs: list[Any], execute: Call
         if job.candidate not in candidates.setdefault(job.method, []):
             candidates[job.method].append(job.candidate)
         try:
-            out = execute(job, cfg, [tune.metric])
+            out = execute(job, cfg, list(dict.fromkeys([tune.metric, *spec.tracked_metrics()])))
         except _RunFailed:
+            if outcomes is not None:
+                outcomes[_job_key(job)] = None
             continue
+        if outcomes is not None:
+            outcomes[_job_key(job)] = out
         scores[key].append(out.finals[tune.metric])
     chosen: dict[str, dict[str, Any]] = {}
     for method, cands in candidates.items():
@@ -738,7 +761,9 @@ def plan_claim(name: str, spec: ClaimSpec, tracking_uri: str | None = None) -> l
     final = final_jobs(spec, grid, {})
     cfgs = [build_config(spec, j.setting, j.seed, j.extra) for j in [*tune, *final]]  # the same checks as a run
     _check_tuning_configs(spec, cfgs[:len(tune)])
-    lines = [f"plan for {name}: {len(tune) + len(final)} runs"]
+    # a final run of the chosen values on a tuning seed is that tuning run (run_claim reuses it)
+    reuse = len({(label_of(j.setting), j.seed) for j in tune if j.seed in spec.seeds})
+    lines = [f"plan for {name}: {len(tune) + len(final) - reuse} runs"]
     if tune:
         per_method: dict[str, set[str]] = {}
         for j in tune:
@@ -748,7 +773,8 @@ def plan_claim(name: str, spec: ClaimSpec, tracking_uri: str | None = None) -> l
         lines += [f"    {j.name}" for j in tune]
     lines.append(f"  final: {len(final)} runs ({len(grid)} configurations × {len(spec.seeds)} seeds"
                  + (", plus the reference configurations" if len(final) > len(grid) * len(spec.seeds) else "")
-                 + (", each method with its tuned values" if tune else "") + ")")
+                 + (", each method with its tuned values" if tune else "")
+                 + (f"; {reuse} of them are the tuning runs of the chosen values, reused" if reuse else "") + ")")
     lines += [f"    {j.name}" for j in final]
     measured = measured_seconds_per_run(name, tracking_uri)
     if measured is not None:
@@ -758,6 +784,6 @@ def plan_claim(name: str, spec: ClaimSpec, tracking_uri: str | None = None) -> l
     else:
         lines.append("  estimated time: unknown (set minutes_per_run in the spec, or run it once)")
         return lines
-    total_min = per_run * (len(tune) + len(final)) / 60
+    total_min = per_run * (len(tune) + len(final) - reuse) / 60
     lines.append(f"  estimated time: {total_min:.1f} min ({per_run / 60:.2f} min per run, {source})")
     return lines

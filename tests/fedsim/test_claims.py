@@ -165,10 +165,12 @@ def test_plan_lists_runs_and_an_estimate_and_records_nothing(tmp_path, in_tmp, c
     path = _spec_file(tmp_path, BASE + PROTOCOL)
     assert main(["reproduce", path, "--plan", "--seeds", "1"]) == 0
     out = capsys.readouterr().out
-    # tuning: 3 methods x 2 lr at local_epochs=1 x 1 seed; final: 6 configurations x 1 seed + 1 ceiling run
-    assert "plan for" in out and "13 runs" in out and "tuning on val/accuracy: 6 runs" in out
-    assert "final: 7 runs" in out and "tune | strategy=fedprox, local_epochs=1 | client.lr=0.5 | seed 0" in out
-    assert "estimated time: 6.5 min (0.50 min per run, the spec's minutes_per_run)" in out
+    # tuning: 3 methods x 2 lr at local_epochs=1 x 1 seed; final: 6 configurations x 1 seed + 1 ceiling run,
+    # of which the 3 at local_epochs=1 on seed 0 are the chosen candidates' tuning runs
+    assert "plan for" in out and "10 runs" in out and "tuning on val/accuracy: 6 runs" in out
+    assert "final: 7 runs" in out and "3 of them are the tuning runs of the chosen values, reused" in out
+    assert "tune | strategy=fedprox, local_epochs=1 | client.lr=0.5 | seed 0" in out
+    assert "estimated time: 5.0 min (0.50 min per run, the spec's minutes_per_run)" in out
     assert [p.name for p in in_tmp.iterdir()] == ["claim.yaml"]  # no store, no checkpoints
 
 
@@ -216,8 +218,8 @@ def test_protocol_end_to_end_tunes_on_val_and_decides(tmp_path) -> None:
 
     original = reproduce._run_tuning
 
-    def keep_table(spec_, jobs, cfgs, execute, table, on_progress):  # the table the parent would log
-        chosen = original(spec_, jobs, cfgs, execute, table, on_progress)
+    def keep_table(spec_, jobs, cfgs, execute, table, on_progress, outcomes):  # the table the parent would log
+        chosen = original(spec_, jobs, cfgs, execute, table, on_progress, outcomes)
         tuning.extend(table)
         return chosen
 
@@ -228,7 +230,9 @@ def test_protocol_end_to_end_tunes_on_val_and_decides(tmp_path) -> None:
         reproduce._run_tuning = original
     assert parent_id is None
     tune_calls = [c for c in calls if c[0].startswith("tune |")]
-    assert len(tune_calls) == 6 and len(calls) == 6 + 12 + 2  # tuning, 6 configurations x 2 seeds, 2 ceiling runs
+    # tuning, 6 configurations x 2 seeds less the 3 that are the chosen candidates' tuning runs, 2 ceiling runs
+    assert len(tune_calls) == 6 and len(calls) == 6 + 12 - 3 + 2
+    assert all(len(r.finals) == 2 and sorted(r.seeds) == [0, 1] for r in results)  # still every seed
     # every final run of every method used the lr that won on validation (0.1), not on test (0.5)
     finals = [c for c in calls if not c[0].startswith(("tune |", "ceiling"))]
     assert {lr for _, lr in finals} == {0.1}
@@ -277,7 +281,7 @@ def test_a_failed_control_marks_claims_invalid_and_resume_reads_tuning_back(tmp_
                      if r.data.tags.get("kind") == "claim-check").info.run_id
     calls.clear()
     run_claim("c", spec, tracking_uri=tracking_uri, run_one=runner, resume_parent=parent_id)
-    assert not any(name.startswith("tune |") for name, _ in calls) and len(calls) == 20 - 8
+    assert not any(name.startswith("tune |") for name, _ in calls) and len(calls) == 17 - 8
     assert {lr for name, lr in calls if not name.startswith("ceiling")} == {0.1}  # chosen again from read-back runs
     stages = {r.data.tags["mlflow.runName"]: r.data.tags.get("claim_stage")
               for r in client.search_runs([client.get_run(parent_id).info.experiment_id])
