@@ -1,4 +1,5 @@
-"""The ``fedsim`` command line: ``list``, ``run``, ``reproduce``, ``sweep``, ``compare``, ``ui``, ``export``.
+"""The ``fedsim`` command line: ``list``, ``run``, ``reproduce``, ``sweep``, ``compare``, ``ui``, ``export``,
+``run-app``.
 
 Errors the user can fix print one line (``fedsim: error: ...``) and exit 2, never a traceback.
 """
@@ -168,6 +169,22 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--seed", type=_positive_int, help="root seed")
     ex.add_argument("--force", action="store_true", help="write into DIR even if it is not empty")
     _add_plugin_arg(ex)
+
+    ra = sub.add_parser("run-app", help="run a Flower app directory (ServerApp + ClientApp) on a fedsim engine, "
+                                       "tracked in MLflow")
+    ra.add_argument("path", help="the Flower app directory (its pyproject.toml has [tool.flwr.app])")
+    ra.add_argument("overrides", nargs="*", help="run-config overrides key=value (declared keys only), e.g. lr=0.05")
+    ra.add_argument("--run-config", action="append", default=[], metavar="'KEY=VALUE ...'",
+                    help="run-config overrides as `flwr run --run-config` takes them (repeatable)")
+    ra.add_argument("--engine", default="local",
+                    help="local (in-process, default), ray (fedsim's Ray actors) or flower (Flower's simulation)")
+    ra.add_argument("--num-nodes", type=_positive_int,
+                    help="simulated nodes (default: the app's options.num-supernodes, else 10)")
+    ra.add_argument("--seed", type=_positive_int, default=0, help="root seed of the server and every client call")
+    ra.add_argument("--tracking-uri", help="MLflow tracking URI (default as for `run`)")
+    ra.add_argument("--no-tracking", action="store_true", help="do not record to MLflow")
+    ra.add_argument("--quiet", action="store_true", help="no progress bar or summary: stdout gets only `run <id>`")
+    ra.add_argument("--verbose", action="store_true", help="show Flower/Ray logs")
 
     ui = sub.add_parser("ui", help="open the MLflow UI on 127.0.0.1 over the same store")
     ui.add_argument("--port", type=_port, default=5000, help="a free TCP port on 127.0.0.1 (1-65535)")
@@ -463,6 +480,37 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_run_app(args: argparse.Namespace) -> int:
+    """``fedsim run-app PATH``: a Flower app on a fedsim engine (see fedsim/run_app.py)."""
+    from rich.console import Console
+
+    from fedsim.progress import summary_table
+    from fedsim.run_app import AppProgress, plan_run, progress_total, run_app
+
+    started = getattr(args, "started", None) or time.perf_counter()
+    plan = plan_run(args.path, [*args.run_config, *args.overrides], engine=args.engine, num_nodes=args.num_nodes,
+                    seed=args.seed, verbose=args.verbose)
+    kwargs = {"plan": plan, "tracking": not args.no_tracking, "tracking_uri": args.tracking_uri,
+              "verbose": args.verbose}
+    console = Console(quiet=args.quiet)
+    if args.quiet:
+        summary = run_app(args.path, **kwargs)
+        if summary.run_id:
+            print(f"run {summary.run_id}", flush=True)
+        return 0
+    label = f"{plan.app.name} · {plan.engine} · {plan.num_nodes} nodes"
+    with AppProgress(progress_total(plan), label, console, started=started) as progress:
+        summary = run_app(args.path, observers=[progress], **kwargs)
+    from fedsim.contracts.history import History
+
+    extra = {"wall time (total)": f"{time.perf_counter() - started:.1f} s"}
+    if summary.run_id:
+        extra.update({"mlflow run": summary.run_id, "tracking uri": summary.tracking_uri or ""})
+    last = summary.records[-1].round if summary.records else 0
+    console.print(summary_table(f"{plan.app.name}: round {last}", History(summary.records), extra))
+    return 0
+
+
 def cmd_ui(args: argparse.Namespace) -> int:
     from fedsim.store import sqlite_path
     from fedsim.tracking import mlflow_client, resolve_tracking_uri
@@ -579,7 +627,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     args.started = started
-    if args.command in ("run", "reproduce", "sweep", "export"):  # overrides may come after flags: collect the key=value leftovers
+    if args.command in ("run", "reproduce", "sweep", "export", "run-app"):  # overrides may come after flags: collect the key=value leftovers
         args.overrides = [*args.overrides, *(e for e in extra if "=" in e and not e.startswith("-"))]
         extra = [e for e in extra if e not in args.overrides]
     if extra:
@@ -604,6 +652,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_compare(args)
         if args.command == "export":
             return cmd_export(args)
+        if args.command == "run-app":
+            return cmd_run_app(args)
         return cmd_ui(args)
     except FedsimError as exc:
         sys.stderr.write(f"fedsim: error: {exc}\n")

@@ -186,16 +186,23 @@ def deliver(app: ClientApp, msg: Message, context: Context) -> Message:
 
 
 class ClientActor:
-    """A long-lived process serving any node: the ClientApp and learner are built once."""
+    """A long-lived process serving any node: the ClientApp and learner are built once.
 
-    def __init__(self, spec: RunSpec) -> None:
+    ``client_app`` (picklable) serves the calls instead of the run's learner (``fedsim run-app``:
+    a user's Flower ClientApp); then there is no learner to warm up.
+    """
+
+    def __init__(self, spec: RunSpec, client_app: ClientApp | None = None) -> None:
         quiet_third_party(spec.cfg.engine.verbose)
         self.spec = spec
-        self.app = build_client_app(spec, deadline=client_call_limit(spec.cfg))
+        self.own_app = client_app is not None
+        self.app = (client_app if client_app is not None
+                    else build_client_app(spec, deadline=client_call_limit(spec.cfg)))
 
     def warm(self) -> int:
         """Build the learner and its data now (``setup_summary`` loads them), before the first call."""
-        warm_learner(self.spec)
+        if not self.own_app:
+            warm_learner(self.spec)
         return os.getpid()
 
     def serve(self, metadata: Any, content: RecordDict, context: Context) -> tuple[Message, RecordDict]:
@@ -234,16 +241,20 @@ class _Actor:
 
 
 class RayActorGrid(DriverGrid):
-    """A Grid whose messages are served by long-lived Ray actors (Ray must be initialised)."""
+    """A Grid whose messages are served by long-lived Ray actors (Ray must be initialised).
+
+    ``client_app``: a picklable ClientApp the actors run instead of the run's learner (see :class:`ClientActor`).
+    """
 
     def __init__(self, spec: RunSpec, num_nodes: int | None = None, run_id: int = 1,
-                 num_actors: int | None = None) -> None:
+                 num_actors: int | None = None, client_app: ClientApp | None = None) -> None:
         import ray
 
         cfg = spec.cfg
         rc = cfg.engine.ray
         num_nodes = cfg.num_clients if num_nodes is None else num_nodes
         self.spec = spec
+        self.client_app = client_app
         self._init_nodes(run_id, num_nodes)
         self.client_limit = client_call_limit(cfg)
         self.start_limit = max(float(cfg.engine.round_timeout_s), START_TIMEOUT_S)
@@ -312,7 +323,7 @@ class RayActorGrid(DriverGrid):
 
     # -- actors ---------------------------------------------------------------------------------
     def _spawn(self, key: str, size: Size, replacement: bool = False) -> _Actor:
-        handle = _remote_actor_class().options(num_cpus=size[0], num_gpus=size[1]).remote(self.spec)
+        handle = _remote_actor_class().options(num_cpus=size[0], num_gpus=size[1]).remote(self.spec, self.client_app)
         actor = _Actor(handle, size, handle.warm.remote(), time.monotonic(), replacement)
         self._by_ref[actor.warm_ref] = key
         self.actors[key] = actor

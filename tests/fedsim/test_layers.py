@@ -22,7 +22,7 @@ PACKAGES = ("fedsim", "algorithms", "privacy", "clients", "strategies", "envs", 
 WIRING = ("fedsim.engine", "fedsim.runner", "fedsim.cli", "fedsim.__main__", "fedsim.api", "fedsim.reproduce",
           "fedsim.sweep", "fedsim.compare", "fedsim.tracking", "fedsim.store", "fedsim.run_lifecycle",
           "fedsim.central_runner", "fedsim.plots", "fedsim.progress", "fedsim.claims", "fedsim.claim_protocol",
-          "fedsim.export")
+          "fedsim.export", "fedsim.run_app")
 
 #: Which layers each layer may import (besides itself).  The kernel imports nothing of ours above it;
 #: the wiring reaches clients/, strategies/, envs/, models and central/ only through the registry.
