@@ -28,6 +28,19 @@ are the whole adapted model; the gradient subspace stays local because each node
 its own stream (its own domain order when ``client_order`` is on, and its own noise).  A
 server-tracked subspace is not implemented.  Each node holds an IID share of the clean test pool.
 
+**Validation stream** (for tuning without the test stream): ``val_images`` > 0 splits the clean
+held-out pool of ``test_images`` rows once (a fixed seeded permutation, the same for every run
+seed) into a *validation pool* of ``val_images`` rows and the *test pool* of the other
+``test_images − val_images`` rows; the source model never trains on either.  A run with
+``split: val`` (or whose seed is in ``val_seeds``, which is how a claim spec's ``tune.seeds`` select
+it) adapts on the **validation stream** instead of the test stream: images from the validation
+pool only, its own corruption noise (stream seed ``derive_seed(seed, "tta-val-stream", node)``
+instead of ``"tta-stream"``) and its own domain order (a seeded permutation of ``domains``, the same
+in every cycle, instead of the benchmark order).  It logs its stream report under ``val/...``
+(``val/acc_last_cycle``, ``val/acc_first_cycle``, ...) and no ``tta/...`` metric, and its clean
+accuracy is measured on the validation pool, so a tuning run reads no test image.  With
+``val_images`` = 0 (the default) the pool and every stream are exactly as before.
+
 Claim diagnostics: with ``analysis_every`` > 0, the first batch of every that-many-th segment is
 analysed before adapting (labels are known offline): per-sample gradient coherence of
 entropy-truthful vs entropy-deceptive samples and the fraction of their gradients outside LCoTTA's
@@ -87,6 +100,10 @@ class TTAParams:
     source_epochs: int = 3
     source_lr: float = 1e-3
     test_images: int = 500  # clean pool held out for the streams (the rest trains the source)
+    # the validation stream (module docstring): val_images of the held-out rows form its pool
+    val_images: int = 0  # 0 = no validation pool (the test stream uses all test_images rows)
+    split: str = "test"  # test | val: the stream this run adapts on
+    val_seeds: list[int] = field(default_factory=list)  # runs with these seeds use split=val (tuning)
     # claim diagnostics
     analysis_every: int = 0  # analyse the first batch of every k-th segment (0 = off)
 
@@ -115,13 +132,35 @@ class TTALearner(Learner):
     def data(self) -> SourceData:
         return source_data(self.cfg.data.name, self.params.test_images, 0)
 
+    @property
+    def is_validation(self) -> bool:
+        """Does this run adapt on the validation stream (``split: val`` or its seed in ``val_seeds``)?"""
+        p = self.params
+        return p.split == "val" or int(self.cfg.seed) in {int(s) for s in p.val_seeds}
+
+    @property
+    def prefix(self) -> str:
+        """The run report's metric prefix: ``val`` on the validation stream, else ``tta``."""
+        return "val" if self.is_validation else "tta"
+
+    def pool_rows(self, split: str | None = None) -> np.ndarray:
+        """The clean rows of the validation or test pool (sorted; disjoint, together the held-out rows)."""
+        split = ("val" if self.is_validation else "test") if split is None else split
+        rows, k = self.data.test_rows, self.params.val_images
+        if k == 0:
+            if split == "val":
+                raise ConfigError("the validation stream needs client.params.val_images > 0")
+            return rows
+        perm = numpy_rng(0, "tta-val-split").permutation(len(rows))
+        return np.sort(rows[perm[:k]] if split == "val" else rows[perm[k:]])
+
     def stream_config(self) -> DomainStreamConfig:
         p = self.params
         return DomainStreamConfig(list(p.domains), p.cycles, p.severity, p.batch_size, p.setting, p.images_per_domain)
 
     def client_rows(self, partition_id: int) -> np.ndarray:
-        """The node's IID share of the clean test pool (seeded by the run seed)."""
-        rows = self.data.test_rows
+        """The node's IID share of the clean pool of this run's split (seeded by the run seed)."""
+        rows = self.pool_rows()
         perm = numpy_rng(self.cfg.seed, "tta-clients").permutation(len(rows))
         return np.sort(rows[np.array_split(perm, self.cfg.num_clients)[partition_id]])
 
@@ -129,8 +168,11 @@ class TTALearner(Learner):
         if partition_id not in self._streams:
             data, federated = self.data, self.cfg.num_clients > 1
             order = derive_seed(self.cfg.seed, "tta-order", partition_id) if federated and self.params.client_order else None
+            tag = "tta-stream"
+            if self.is_validation:  # own noise and own domain order (module docstring)
+                tag, order = "tta-val-stream", derive_seed(self.cfg.seed, "tta-val-order", partition_id)
             self._streams[partition_id] = DomainStream(
-                data.images, data.labels, self.stream_config(), seed=derive_seed(self.cfg.seed, "tta-stream", partition_id),
+                data.images, data.labels, self.stream_config(), seed=derive_seed(self.cfg.seed, tag, partition_id),
                 order_seed=order, indices=self.client_rows(partition_id), normalise=data.normalise)
         return self._streams[partition_id]
 
@@ -146,8 +188,17 @@ class TTALearner(Learner):
         make_params(p.method, dict(p.method_params))
         if p.analysis_every < 0:
             raise ConfigError(f"client.params.analysis_every must be >= 0, got {p.analysis_every}")
-        if self.cfg.num_clients > p.test_images // 2:
-            raise ConfigError(f"{self.cfg.num_clients} clients cannot share {p.test_images} test images; "
+        if p.split not in ("test", "val"):
+            raise ConfigError(f"client.params.split must be 'test' or 'val', got {p.split!r}")
+        if not 0 <= p.val_images <= p.test_images - 2 * self.cfg.num_clients:
+            raise ConfigError(f"client.params.val_images={p.val_images} must be in [0, test_images - 2 x clients] "
+                              f"= [0, {p.test_images - 2 * self.cfg.num_clients}]")
+        if self.is_validation and p.val_images == 0:
+            raise ConfigError("this run adapts on the validation stream (split=val or its seed in val_seeds), "
+                              "which needs client.params.val_images > 0")
+        pool = len(self.pool_rows())
+        if self.cfg.num_clients > pool // 2:
+            raise ConfigError(f"{self.cfg.num_clients} clients cannot share {pool} stream images; "
                               f"lower num_clients or raise client.params.test_images")
         segments = self.stream(0).num_segments
         if self.cfg.rounds > segments:
@@ -220,9 +271,9 @@ class TTALearner(Learner):
         return EvalResult(num_examples=len(rows), metrics={"clean_accuracy": acc})
 
     def evaluate_global(self, arrays: StateDict) -> dict[str, float]:
-        """Accuracy of the global norm parameters on the clean test pool (does adaptation forget the source?)."""
+        """Accuracy of the global norm parameters on this run's clean pool (does adaptation forget the source?)."""
         method = self._load(arrays, None)
-        return {"clean_accuracy": clean_accuracy(method.model, self.data, self.params.batch_size)}
+        return {"clean_accuracy": clean_accuracy(method.model, self.data, self.params.batch_size, self.pool_rows())}
 
     def setup_summary(self) -> dict[str, Any]:
         s = self.stream(0)
@@ -247,20 +298,21 @@ class TTALearner(Learner):
         rec = self.recorder_from(history)
         if not rec.blocks:
             return {}, []
-        metrics = rec.summary_metrics("tta")
+        pre = self.prefix
+        metrics = rec.summary_metrics(pre)
         cycles = rec.cycles
         last = rec.cycle_counts(cycles[-1])
-        metrics.update({"tta/acc_first_cycle": rec.cycle_counts(cycles[0]).accuracy, "tta/acc_last_cycle": last.accuracy,
-                        "tta/distinct_last_cycle": float(last.distinct), "tta/entropy_last_cycle": last.entropy(True),
-                        "tta/min_block_distinct_last_cycle": float(min(r["distinct"] for r in rec.rows()
-                                                                        if r["cycle"] == cycles[-1]))})
-        metrics.update(_analysis_means(history))
+        metrics.update({f"{pre}/acc_first_cycle": rec.cycle_counts(cycles[0]).accuracy, f"{pre}/acc_last_cycle": last.accuracy,
+                        f"{pre}/distinct_last_cycle": float(last.distinct), f"{pre}/entropy_last_cycle": last.entropy(True),
+                        f"{pre}/min_block_distinct_last_cycle": float(min(r["distinct"] for r in rec.rows()
+                                                                           if r["cycle"] == cycles[-1]))})
+        metrics.update(_analysis_means(history, pre))
         files: list[Path] = []
         if out_dir is not None:
             from fedsim.metrics.plots import plot_recorder_blocks, plot_recorders, save
 
             name = self.params.method
-            title = f"{name}: {self.cfg.data.name}, {len(self.params.domains)} domains x {self.params.cycles} cycles, " \
+            title = f"{name}{' (validation stream)' if self.is_validation else ''}: {self.cfg.data.name}, {len(self.params.domains)} domains x {self.params.cycles} cycles, " \
                     f"{self.cfg.num_clients} node(s), seed {self.cfg.seed}"
             files.append(save(plot_recorders({name: rec}, title=title), out_dir / "tta_cycles.png"))
             files.append(save(plot_recorder_blocks({name: rec}, title=title), out_dir / "tta_blocks.png"))
@@ -289,13 +341,14 @@ def _mean_info(infos: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-def _analysis_means(history: "History") -> dict[str, float]:
+def _analysis_means(history: "History", prefix: str = "tta") -> dict[str, float]:
     """Run means of the ET/ED analysis and of the method's diagnostics over every (round, node) reporting them
-    (``tta/analysis/*``, ``tta/method/*``: e.g. the gradient window's explained variance, the kept fraction)."""
+    (``tta/analysis/*``, ``tta/method/*``: e.g. the gradient window's explained variance, the kept fraction;
+    ``val/...`` on the validation stream)."""
     sums: dict[str, list[float]] = {}
     for record in history.records:
         for m in record.client_metrics.values():
             for k, v in m.items():
                 if k.startswith(("analysis/", "method/")) and math.isfinite(v):
                     sums.setdefault(k, []).append(v)
-    return {f"tta/{k}": float(np.mean(v)) for k, v in sums.items()}
+    return {f"{prefix}/{k}": float(np.mean(v)) for k, v in sums.items()}

@@ -42,7 +42,18 @@ Per method:
   prediction against a balanced EMA has |cos| ≈ 1/√C, so ``d_margin`` must be well above 1/√C
   (0.32 for C = 10) or the redundancy filter drops almost every sample.
   LCoTTA: K = 100, r = 5, s = 5 (authors: K = 100, r = 25/50, s = 50/100), so projection starts at
-  batch index t = r·s = 25.
+  batch index t = r·s = 25.  Against the authors' R50 ImageNet-C setting (issue #30; D ≈ 53k BN
+  affine parameters, 78 batches per domain, 58,500 steps), in relative terms: s = 5 is 0.6–0.8 of a
+  domain block (authors 0.64); the window spans K·s = 500 batches ≈ 4.5–6 cycles (authors 5,000 ≈
+  4.3 cycles); projection starts after 1–4 % of the stream (authors 2 %); but r = 5 keeps 5 % of
+  the window's ≤ 99 directions where the authors keep 25 % (r = 25 of 100), i.e. a much narrower
+  subspace (with D = 96 here the window spans almost the whole parameter space, so r/K, not r/D,
+  is the comparable ratio); and the authors give ETA a higher lr than LCoTTA (5e-4 vs 1.5e-4 R50,
+  7.5e-4 vs 5e-4 ViT, ``cfgs/*/imagenet_c/{eta,subspace_plus}.yaml``) where the defaults here use
+  one lr for both.  ``experiments/reproduce/lcotta_quick.yaml`` therefore tunes r ∈ {5, 25} and lr
+  for LCoTTA and lr for EATA on a validation stream (:mod:`clients.tta_learner`).
+  The paper's own sensitivity analysis (r ∈ {10, 25, 50, 100}, window length, interval, lr) is
+  not available here (only its ranges, research notes ``continual.md`` §2).
 * Batches where no sample passes the filters: ``eata``/``rdumb`` skip backward and step, as the
   benchmark's ``perform_update``; ``lcotta`` does what ``Subspace_plus`` does — it backpropagates
   the empty mean (NaN loss, all-zero gradient), snapshots that zero gradient if a snapshot is due,
