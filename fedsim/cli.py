@@ -534,17 +534,31 @@ def cmd_ui(args: argparse.Namespace) -> int:
 def ui_url(uri: str, port: int, experiment: str = "fedsim") -> str:
     """The address that opens MLflow 3's UI on the runs table of ``experiment`` (its ML view; the
     ``workflowType`` parameter overrides the UI's remembered GenAI/ML choice), or on the experiment
-    list when the store has no such experiment yet."""
+    list when the store has no such experiment yet.
+
+    The runs table opens with fedsim's default columns (the headline metrics and the params that
+    differ between the experiment's runs): they are written to the store as an MLflow saved view
+    (fedsim/ui_view.py) that the address names with ``viewStateShareKey``. Where the view cannot be
+    written, the address opens the table with the browser's own column choice."""
     from fedsim.tracking import mlflow_client
+    from fedsim.ui_view import VIEW_KEY, write_default_view
 
     base = f"http://127.0.0.1:{port}"
-    exp = None
+    exp = client = None
     try:
-        exp = mlflow_client(uri).get_experiment_by_name(experiment)
+        client = mlflow_client(uri)
+        exp = client.get_experiment_by_name(experiment)
     except Exception:  # noqa: BLE001 - a store the server will report on itself
         pass
-    page = f"experiments/{exp.experiment_id}" if exp is not None else "experiments"
-    return f"{base}/#/{page}?workflowType=machine_learning"
+    if exp is None:
+        return f"{base}/#/experiments?workflowType=machine_learning"
+    view = ""
+    try:
+        write_default_view(client, exp.experiment_id)
+        view = f"&viewStateShareKey={VIEW_KEY}"
+    except Exception:  # noqa: BLE001 - the table still opens, with the browser's columns
+        pass
+    return f"{base}/#/experiments/{exp.experiment_id}/runs?workflowType=machine_learning{view}"
 
 
 def _check_port_free(port: int) -> None:

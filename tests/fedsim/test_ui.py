@@ -54,7 +54,12 @@ def test_ui_serves_the_runs_of_the_same_store(tmp_path, monkeypatch) -> None:
         tags = {t["key"]: t["value"] for t in exp.get("tags", [])}
         assert tags.get("mlflow.experimentKind") == "custom_model_development"  # the UI opens the runs table
         first_line = proc.stdout.readline().decode()
-        assert f"{base}/#/experiments/{exp['experiment_id']}?workflowType=machine_learning" in first_line
+        assert (f"{base}/#/experiments/{exp['experiment_id']}/runs?workflowType=machine_learning"
+                "&viewStateShareKey=fedsim-default") in first_line
+        # the saved view that address opens: the headline metrics the run logged (one run: no param differs)
+        view = json.loads(tags["mlflow.sharedViewState.fedsim-default"])
+        assert view["name"].startswith("fedsim")
+        assert json.loads(view["state"])["selectedColumns"] == ["metrics.`eval/accuracy`", "metrics.`eval/loss`"]
         from mlflow import MlflowClient
 
         client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")

@@ -1,6 +1,7 @@
 """`fedsim ui` in a real headless browser: the MLflow UI opens on the runs table of fedsim's
-experiment (not the GenAI Traces view), a claim-check parent expands to its children, and the
-parent's ``results.md`` renders.
+experiment (not the GenAI Traces view) with fedsim's default columns (the headline metrics and the
+param that differs between the runs, fedsim/ui_view.py), a claim-check parent expands to its
+children with their values in those columns, and the parent's ``results.md`` renders.
 
 Needs Debian's Chromium and ChromeDriver (``apt-get install chromium chromium-driver``, which
 ``.ci/run`` does) and Selenium (a dev dependency). Where they are missing the test is skipped
@@ -101,11 +102,29 @@ def test_the_ui_opens_on_the_runs_table_and_shows_a_claim_check(tmp_path, monkey
             raise AssertionError(f"{url}: {driver.find_element(By.TAG_NAME, 'body').text[:800]}") from None
         page = driver.find_element(By.TAG_NAME, "body").text
         assert "matching runs" in page and "No data available" not in page  # the runs table, not Traces
+        # fedsim's default columns, not MLflow's (Source, Models, Dataset): the headline metrics the runs
+        # logged, and client.lr, the one param whose value differs between them
+        # (MLflow places the Metrics and Parameters groups in either order)
+        headers = [h.text for h in driver.find_elements(By.CSS_SELECTOR, ".ag-header-cell") if h.text]
+        assert headers[:3] == ["Run Name", "Created", "Duration"], headers
+        assert sorted(headers[3:]) == ["client.lr", "eval/accuracy", "eval/loss"], headers
         # the parent expands to its two children
         driver.find_element(By.CSS_SELECTOR, "button[data-component-id*='runnamecellrenderer']").click()
         children = _wait(lambda: [a.text for a in driver.find_elements(By.CSS_SELECTOR, "a[href*='/runs/']")
                                   if "| seed 0" in a.text], 30, "the children after expanding the parent")
         assert sorted(children) == ["lr=0.05 | seed 0", "lr=0.2 | seed 0"]
+        # ... whose rows show their accuracy, loss and lr in those columns
+        from mlflow import MlflowClient
+
+        client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+        kids = [r for r in client.search_runs([client.get_experiment_by_name("fedsim").experiment_id])
+                if "mlflow.parentRunId" in r.data.tags]
+        want = sorted(sorted([repr(k.data.metrics["eval/accuracy"]), repr(k.data.metrics["eval/loss"]),
+                              k.data.params["client.lr"]]) for k in kids)
+        def rows() -> list[list[str]]:  # the value cells of the children's rows (their first cell: Duration)
+            return sorted(cells for r in driver.find_elements(By.CSS_SELECTOR, "[role=row]")
+                          if (cells := sorted(r.text.split("\n")[1:])) in want)
+        _wait(lambda: rows() == want, 30, f"the children's values {want} in the table")
         # the parent's results.md renders in the artifact view
         driver.get(parent.get_attribute("href") + "/artifacts/results.md")
         body = _wait(lambda: (t := driver.find_element(By.TAG_NAME, "body").text) and "lr=0.05" in t and t, 60,
