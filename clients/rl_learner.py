@@ -23,7 +23,9 @@ noise on every task (``client_physics_std``), the same task order.
 **Evaluation.** After every task's last round (and at round 0) the server evaluates, on every task's
 nominal physics, the task-aware policy and the latest policy (``eval/ret_t{j}``,
 ``eval/succ_t{j}``, ``eval/latest_ret_t{j}``, ``eval/latest_succ_t{j}``, ``eval/memory``,
-``eval/pool_size``); these rows form the return matrices.  :meth:`RLLearner.final_report` adds the
+``eval/pool_size``); these rows form the return matrices.  After the last task the task-aware
+policies are also evaluated greedily (``eval/greedy_ret_t{j}``, argmax actions): the learnt
+controller without exploration noise, whose worst task is the stream's validity bar for ``scratch``.  :meth:`RLLearner.final_report` adds the
 paper's metrics (:mod:`algorithms.ckarl.report`) and plots.
 
 **Reference.** Success thresholds (0.8 x a from-scratch agent's final return per task, as CompoNet's
@@ -51,7 +53,7 @@ from algorithms.ckarl.ckarl import CKARL
 from algorithms.ckarl.config import RLParams, build_method
 from algorithms.ckarl.evaluation import EvalCache, evaluate_returns
 from algorithms.ckarl.node import NodeState, Reference, eval_seed, node_task, reference, train_round
-from algorithms.ckarl.report import RunCurves, curve_metrics, matrix_metrics, plot_curves, plot_memory
+from algorithms.ckarl.report import RunCurves, curve_metrics, matrix_metrics, plot_curves, plot_memory, similar_tasks
 from fedsim.config import ExperimentConfig
 from fedsim.errors import ConfigError
 from fedsim.registry import LEARNERS
@@ -177,6 +179,11 @@ class RLLearner(Learner):
                 out[f"{name}ret_t{j}"] = float(rets.mean())
                 if thr is not None:
                     out[f"{name}succ_t{j}"] = float((rets >= thr[j]).mean())
+        if done == p.num_tasks:  # the learnt controllers, deterministic: argmax actions (the validity bar)
+            for j in range(p.num_tasks):
+                rets = evaluate_returns(m.actor_mlp, m.task_actor(arrays, j, done), stream[j].train, p.eval_episodes,
+                                        eval_seed(self.cfg.seed, j), greedy=True)
+                out[f"greedy_ret_t{j}"] = float(rets.mean())
         return out
 
     # -- the run's report -------------------------------------------------------------------------------
@@ -214,6 +221,7 @@ class RLLearner(Learner):
         out["initial_succ"] = get("succ", rows[0])
         out["memory"] = np.array([r.get("eval/memory", math.nan) for r in rows[1:]])
         out["pool"] = np.array([r.get("eval/pool_size", math.nan) for r in rows[1:]])
+        out["greedy"] = get("greedy_ret", rows[-1])
         return out
 
     def final_report(self, history: "History", out_dir: Path | None) -> tuple[dict[str, float], list[Path]]:
@@ -222,11 +230,13 @@ class RLLearner(Learner):
             return {}, []
         curves = self.curves(history)
         ref, thr = self.reference, self.thresholds()
-        metrics = curve_metrics(RunCurves(curves, None if ref is None else ref.curves, thr), p.smooth)
+        metrics = curve_metrics(RunCurves(curves, None if ref is None else ref.curves, thr, similar_tasks(p.tasks)),
+                                p.smooth)
         mats = self.matrices(history)
         if mats is not None:
             base = mats["initial_succ"] if np.isfinite(mats["initial_succ"]).all() else None
-            metrics.update(matrix_metrics(mats["R_succ"], mats["L_succ"], mats["R_ret"], mats["L_ret"], base))
+            metrics.update(matrix_metrics(mats["R_succ"], mats["L_succ"], mats["R_ret"], mats["L_ret"], base,
+                                          mats["greedy"]))
             metrics["memory_params"] = float(mats["memory"][-1])
             metrics["memory_max"] = float(np.nanmax(mats["memory"]))
             if np.isfinite(mats["pool"]).any():

@@ -15,7 +15,11 @@ The agent is anything with ``logits(obs)``, ``value(obs)``, ``parameters()`` (th
 for the grad-norm clip) and ``snapshot()`` (a fixed copy to act with during a rollout), e.g.
 :class:`algorithms.ckarl.agent.PolicyAgent`.  All randomness (actions, minibatch order) comes from an
 explicit ``torch.Generator``, so a node's round is a pure function of its inputs.  As in CleanRL,
-truncation at 500 steps counts as termination (no bootstrap).  Deviation: CleanRL samples actions
+truncation at 500 steps counts as termination (no bootstrap).  Checked against CleanRL's own ``ppo.py``
+(issue #30): on CartPole-v1 both reach the same returns per step budget (204,800 steps: smoothed final
+training return 382 / 256 / 464 for CleanRL, 407 / 208 here, seeds 0-2 / 0-1); what under-trained the old
+stream was its budget (30,720 steps per task, 6 % of CleanRL's 500,000), not these settings.
+Deviation: CleanRL samples actions
 with ``Categorical.sample`` and shuffles with NumPy's global generator; here inverse-CDF sampling
 and ``torch.randperm`` on the given generator (same laws).
 """

@@ -17,12 +17,20 @@ Metrics (prefix ``rl/``), with the success threshold thr_j = success_frac x ref_
 * ``final_policy`` -- the latest policy's success averaged over all tasks (Table 3);
 * ``fwt`` -- normalised forward transfer (Eq. 9) of the training success curves against the
   reference's, tasks 2..N (CompoNet's ``skip_first``); ``fwt_return`` -- the same on returns / 500,
-  a finer reading of the same curves;
+  a finer reading of the same curves; ``fwt_similar`` / ``fwt_return_similar`` -- the same over the
+  *similar* tasks only (a task with the same conflict as the task before it: only its physics
+  changed, so fine-tuning the previous policy should help -- FT-N's positive control),
+  ``fwt_conflict`` / ``fwt_return_conflict`` over the others (swapped actions / flipped observations
+  relative to the previous task);
 * ``init_return`` -- mean return over the first 10% of iterations of tasks 2..N (Fig. 4's initial
   reward), ``init_return_ref`` -- the reference's;
 * ``cl/...`` -- :func:`fedsim.metrics.continual.continual_report` of the success matrix (forgetting,
   BWT, Lopez-Paz FWT against the initial policy);
-* ``memory_params`` / ``memory_max`` -- stored actor parameters after the last task / at most.
+* ``memory_params`` / ``memory_max`` -- stored actor parameters after the last task / at most;
+* ``perf_return`` / ``perf_return_min`` -- the task-aware policies' final evaluation return, mean and
+  worst over tasks, ``task/{j}/final_return`` per task; ``greedy_return`` / ``greedy_return_min`` --
+  the same with argmax actions (for ``scratch``: does the budget learn *every* task, the stream's
+  validity bar).
 
 Success in the matrices is the share of evaluation episodes reaching the threshold (``*_succ``
 metrics logged by ``evaluate_global``).
@@ -41,7 +49,7 @@ from algorithms.ckarl.evaluation import smooth, success_curve, tail_mean, traini
 from envs.rl_tasks import MAX_EPISODE_STEPS
 from fedsim.metrics.continual import continual_report, normalized_forward_transfer_per_task
 
-__all__ = ["RunCurves", "curve_metrics", "matrix_metrics", "plot_curves", "plot_memory"]
+__all__ = ["RunCurves", "curve_metrics", "matrix_metrics", "plot_curves", "plot_memory", "similar_tasks"]
 
 
 @dataclass
@@ -49,6 +57,12 @@ class RunCurves:
     curves: np.ndarray  # (T, I) training returns per iteration (NaN: no episode ended)
     ref_curves: np.ndarray | None  # the reference's, same shape
     thresholds: np.ndarray | None  # (T,)
+    similar: np.ndarray | None = None  # (T,) bool: task j has the same conflict as task j-1 (see similar_tasks)
+
+
+def similar_tasks(conflicts: Sequence[str]) -> np.ndarray:
+    """Task j (j >= 1) is *similar* when its conflict is the previous task's (only the physics changed)."""
+    return np.array([j > 0 and conflicts[j] == conflicts[j - 1] for j in range(len(conflicts))], dtype=bool)
 
 
 def _mean_head(y: np.ndarray, fraction: float = 0.1) -> float:
@@ -80,6 +94,12 @@ def curve_metrics(c: RunCurves, window: int) -> dict[str, float]:
     ft_ret = normalized_forward_transfer_per_task(unit, ref_unit)
     out["fwt"] = _nanmean(ft[1:])
     out["fwt_return"] = _nanmean(ft_ret[1:])
+    if c.similar is not None:
+        later = np.arange(T) >= 1
+        for name, mask in (("similar", later & c.similar), ("conflict", later & ~c.similar)):
+            if mask.any():
+                out[f"fwt_{name}"] = _nanmean(ft[mask])
+                out[f"fwt_return_{name}"] = _nanmean(ft_ret[mask])
     for j in range(T):
         out[f"task/{j}/fwt"] = float(ft[j])
         out[f"task/{j}/fwt_return"] = float(ft_ret[j])
@@ -93,10 +113,17 @@ def _nanmean(x: np.ndarray) -> float:
 
 
 def matrix_metrics(R_succ: np.ndarray, L_succ: np.ndarray, R_ret: np.ndarray, L_ret: np.ndarray,
-                   baseline_succ: np.ndarray | None) -> dict[str, float]:
-    """Metrics of the end-of-task evaluations (``perf``, ``final_policy`` and the continual report)."""
+                   baseline_succ: np.ndarray | None, greedy: np.ndarray | None = None) -> dict[str, float]:
+    """Metrics of the end-of-task evaluations (``perf``, ``final_policy`` and the continual report);
+    ``greedy`` (T,): the final task-aware policies' returns with argmax actions, if evaluated."""
     T = R_ret.shape[0]
-    out = {"perf_return": float(R_ret[T - 1].mean()), "final_policy_return": float(L_ret[T - 1].mean())}
+    out: dict[str, float] = {}
+    if greedy is not None and np.isfinite(greedy).all():
+        out.update(greedy_return=float(np.mean(greedy)), greedy_return_min=float(np.min(greedy)))
+    out.update(perf_return=float(R_ret[T - 1].mean()), perf_return_min=float(R_ret[T - 1].min()),
+               final_policy_return=float(L_ret[T - 1].mean()))
+    for j in range(T):
+        out[f"task/{j}/final_return"] = float(R_ret[T - 1, j])
     if np.isfinite(R_succ).all():
         out["perf"] = float(R_succ[T - 1].mean())
         out["final_policy"] = float(L_succ[T - 1].mean())

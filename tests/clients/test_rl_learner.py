@@ -94,8 +94,11 @@ def test_tracked_run_logs_the_report_and_plots(tracking_uri, tmp_path, monkeypat
     (run,) = client.search_runs([client.get_experiment_by_name("fedsim").experiment_id])
     m = run.data.metrics
     for key in ("rl/perf", "rl/final_policy", "rl/perf_train", "rl/init_return", "rl/fwt_return",
-                "rl/memory_params", "rl/pool_size", "eval/succ_t2", "rl/cl/forgetting"):
+                "rl/memory_params", "rl/pool_size", "eval/succ_t2", "rl/cl/forgetting", "rl/greedy_return_min",
+                "rl/perf_return_min", "rl/task/2/final_return", "eval/greedy_ret_t2", "rl/fwt_conflict"):
         assert key in m, key
+    assert "rl/fwt_similar" not in m  # plain, swap, plain: every later task conflicts with the one before it
+    assert m["rl/greedy_return_min"] == min(m[f"eval/greedy_ret_t{j}"] for j in range(3))
     assert 0 <= m["rl/perf"] <= 1 and m["rl/pool_size"] == 2
     plots = {a.path for a in client.list_artifacts(run.info.run_id, "plots")}
     assert {"plots/rl_curves.png", "plots/rl_matrix_r.png", "plots/rl_matrix_l.png", "plots/rl_memory.png",

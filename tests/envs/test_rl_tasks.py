@@ -98,3 +98,32 @@ def test_bad_stream_is_a_config_error() -> None:
         cartpole_stream(CartPoleStreamConfig(["plain", "mirror"]), 0)
     with pytest.raises(ConfigError, match="empty"):
         cartpole_stream(CartPoleStreamConfig([]), 0)
+
+
+def test_vector_env_autoresets_in_the_same_step_and_collect_counts_episodes() -> None:
+    """CleanRL's semantics: the observation returned with ``terminated | truncated`` is already the next
+    episode's first one, and :func:`collect` reports each finished episode's return (= its length)."""
+    import torch
+
+    from algorithms.ckarl.ppo import MLP, FixedAgent, RolloutState, collect
+
+    task = cartpole_stream(CartPoleStreamConfig(["plain"]), 0)[0].train
+    envs = make_vec_env(task, 4)
+    obs, _ = envs.reset(seed=3)
+    for _ in range(100):
+        obs, reward, term, trunc, _ = envs.step(np.ones(4, dtype=np.int64))  # always push right: short episodes
+        done = np.logical_or(term, trunc)
+        assert np.all(reward == 1.0)
+        if done.any():
+            assert np.all(np.abs(obs[done]) <= 0.05)  # a fresh reset state, not the terminal one
+    mlp = MLP((4, 8, 2))
+    g = torch.Generator().manual_seed(0)
+    agent = FixedAgent(mlp, mlp.init(g, 0.01), MLP((4, 8, 1)), MLP((4, 8, 1)).init(g, 1.0))
+    obs, _ = envs.reset(seed=4)
+    state = RolloutState.fresh(obs)
+    batch, finished = collect(agent, envs, state, 64, torch.Generator().manual_seed(1))
+    assert batch.obs.shape == (64, 4, 4) and len(finished) > 4
+    # every step is in a finished episode or in one still running: lengths add up to 4 x 64 steps
+    assert sum(finished) + state.ep_length.sum() == 4 * 64
+    starts = batch.dones[1:].sum() + state.done.sum()
+    assert starts == len(finished)

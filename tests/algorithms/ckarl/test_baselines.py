@@ -9,7 +9,7 @@ import torch
 from algorithms.ckarl.agent import Layout
 from algorithms.ckarl.baselines import FineTune, FineTuneN, Scratch
 from algorithms.ckarl.evaluation import success_curve, tail_mean, training_curve
-from algorithms.ckarl.report import RunCurves, curve_metrics
+from algorithms.ckarl.report import RunCurves, curve_metrics, matrix_metrics, similar_tasks
 
 LAYOUT = Layout(obs_dim=4, n_actions=2, hidden=8, num_tasks=3)
 
@@ -62,3 +62,24 @@ def test_fwt_is_zero_against_itself_and_positive_for_a_head_start() -> None:
     assert m["fwt"] == pytest.approx(0.75 / 0.875)
     assert m["fwt_return"] > 0 and m["init_return"] == 150.0 and m["init_return_ref"] == 10.0
     assert m["perf_train"] == 1.0
+
+
+def test_fwt_splits_similar_and_conflicting_tasks_and_the_greedy_bar() -> None:
+    """Similar = same conflict as the task before (only the physics changed): FT-N's positive control."""
+    np.testing.assert_array_equal(similar_tasks(["plain", "plain", "swap", "swap", "plain"]),
+                                  [False, True, False, True, False])
+    ref = np.tile(np.array([10, 50, 100, 150, 200], dtype=float), (4, 1))
+    run = ref.copy()
+    run[1] = run[3] = 200.0  # a head start on the similar tasks
+    run[2] = 10.0  # negative transfer on the conflicting one
+    thr = np.full(4, 160.0)
+    m = curve_metrics(RunCurves(run, ref, thr, similar_tasks(["plain", "plain", "swap", "swap"])), window=1)
+    per = [m[f"task/{j}/fwt"] for j in range(4)]
+    assert m["fwt_similar"] == pytest.approx((per[1] + per[3]) / 2) and m["fwt_similar"] > 0
+    assert m["fwt_conflict"] == pytest.approx(per[2]) and m["fwt_conflict"] < 0
+    assert m["fwt"] == pytest.approx(np.mean(per[1:]))
+    assert m["fwt_return_similar"] > 0 > m["fwt_return_conflict"]
+    R = np.array([[300.0, 20.0], [250.0, 410.0]])
+    mm = matrix_metrics(np.ones((2, 2)), np.ones((2, 2)), R, R, None, greedy=np.array([480.0, 420.0]))
+    assert mm["perf_return_min"] == 250.0 and mm["task/1/final_return"] == 410.0
+    assert mm["greedy_return_min"] == 420.0 and mm["greedy_return"] == 450.0
