@@ -181,16 +181,19 @@ def load_claim(name: str, seeds: int | None = None, extra_overrides: list[str] |
 
 def settings(spec: ClaimSpec) -> list[dict[str, Any]]:
     """The grid's combinations, less those matching an ``exclude`` entry (every key of the entry equal)."""
-    keys = list(spec.grid)
-    combos = [dict(zip(keys, values)) for values in itertools.product(*(spec.grid[k] for k in keys))]
     excluded = getattr(spec, "exclude", None) or []
-    return [c for c in combos if not any(P.matches(c, entry) for entry in excluded)]
+    return [c for c in _combinations(spec) if not any(P.matches(c, entry) for entry in excluded)]
+
+
+def _combinations(spec: Any) -> list[dict[str, Any]]:
+    """Every combination of the grid's values (its cross product)."""
+    keys = list(spec.grid)
+    return [dict(zip(keys, values)) for values in itertools.product(*(spec.grid[k] for k in keys))]
 
 
 def _check_exclude(spec: ClaimSpec, path: str) -> None:
     """One-line errors for an ``exclude`` entry that names no grid key or matches no combination."""
-    keys = list(spec.grid)
-    combos = [dict(zip(keys, values)) for values in itertools.product(*(spec.grid[k] for k in keys))]
+    keys, combos = list(spec.grid), _combinations(spec)
     for i, entry in enumerate(spec.exclude):
         unknown = [k for k in entry if k not in spec.grid]
         if not entry or unknown:
