@@ -364,7 +364,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
         from fedsim import config as C
 
         if not C.is_central(spec.experiment):  # a centralised method runs here: the import above suffices
-            spec.overrides.append(_plugins_override(args.plugin))
+            spec.overrides.append(_plugins_override(spec.experiment, spec.overrides, args.plugin))
     console = Console()
     if args.plan:
         lines = plan_claim(args.claim, spec, tracking_uri=args.tracking_uri)
@@ -388,11 +388,16 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plugins_override(modules: list[str]) -> str:
-    """The override that names the ``--plugin`` modules in every run's config (so Ray workers import them)."""
+def _plugins_override(experiment: str, overrides: list[str], modules: list[str]) -> str:
+    """The override that adds the ``--plugin`` modules to the experiment's own ``plugins`` in every
+    run's config (so Ray workers import them), as ``fedsim run --plugin`` does: a flag never drops
+    a plugin the experiment file (or a ``plugins=`` override) already names."""
     import json
 
-    return f"plugins={json.dumps(list(dict.fromkeys(modules)))}"
+    from fedsim import config as C
+
+    own = C.load_config(experiment, overrides).plugins
+    return f"plugins={json.dumps(list(dict.fromkeys([*own, *modules])))}"
 
 
 def _print_table(console: Any, title: str, rows: list[dict[str, str]]) -> None:
@@ -419,7 +424,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                             asha=args.asha, asha_mode=args.asha_mode, grace_period=args.grace_period,
                             reduction_factor=args.reduction_factor)
     if args.plugin:
-        spec.overrides.append(_plugins_override(args.plugin))
+        spec.overrides.append(_plugins_override(spec.experiment, spec.overrides, args.plugin))
     console = Console()
     search = (f", {spec.samples} samples of {dict(spec.search)} (seed {spec.search_seed})" if spec.samples else "")
     asha = (f", ASHA on {spec.asha.metric} ({spec.asha.mode}, grace {spec.asha.grace_period}, "

@@ -298,3 +298,23 @@ def test_sweep_and_reproduce_pass_plugins_to_every_run(command, runner, userpkg,
     cfg = C.load_config("fedavg_digits", [seen["overrides"][-1], "strategy.name=server_step"])
     assert cfg.plugins == ["mypkg.plugins", "mypkg.model_plugin"]
 
+
+
+def test_plugin_flag_adds_to_the_experiment_files_plugins(userpkg, monkeypatch, capsys) -> None:
+    """``sweep mine.yaml --plugin mypkg.plugins`` keeps the file's ``plugins: [mypkg.model_plugin]``
+    (its model is registered there): the flag adds to the list, as ``fedsim run --plugin`` does,
+    instead of replacing it."""
+    from fedsim import sweep
+    from fedsim.errors import FedsimError
+
+    seen = {}
+
+    def stop(name, spec, **kw):
+        seen["overrides"] = list(spec.overrides)
+        raise FedsimError("stopped before running")
+
+    monkeypatch.setattr(sweep, "run_sweep", stop)
+    experiment = str(userpkg / "mine.yaml")
+    assert main(["sweep", experiment, "--grid", "client.lr=0.01,0.05", "--plugin", "mypkg.plugins"]) == 2
+    assert "stopped before running" in capsys.readouterr().err
+    assert seen["overrides"][-1] == 'plugins=["mypkg.model_plugin", "mypkg.plugins"]'
