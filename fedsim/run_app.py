@@ -27,6 +27,13 @@ What fedsim adds around the user's code, on every engine:
   ``seconds``); the run ends FINISHED, FAILED or KILLED (:mod:`fedsim.run_lifecycle`);
 * progress: fedsim's bar over rounds (``num-server-rounds`` of the run config, when it has one).
 
+Legacy apps (``ServerApp(server_fn=...)`` with a ``flwr.server.strategy`` strategy,
+``ClientApp(client_fn=...)`` with a ``NumPyClient``) run through Flower's ``start_grid``: their
+replies' metrics are read from Flower's compat records (:func:`reply_outcome`), the round from the
+messages' ``group_id``, and a strategy minimum above the simulated nodes is an error up front
+(:func:`legacy_checked`).  Flower's legacy server aggregates in the order of a set of futures, so
+their metrics repeat up to float rounding only.
+
 Only the traffic of the grid is seen: what the ServerApp computes itself (a centralised
 ``evaluate_fn``, the ``Result`` of ``strategy.start``) is the user's to log.
 """
@@ -355,6 +362,9 @@ def seeded(root: int, *parts: int | str) -> Iterator[None]:
 
 
 _clients: dict[tuple[str, str], Any] = {}
+#: One ClientApp call at a time per process: each seeds the global generators and sets torch's
+#: threads, and Flower's legacy server (``ServerApp(server_fn=...)``) sends from a thread pool.
+_CLIENT_CALLS = threading.Lock()
 
 
 class AppClient(ClientApp):
@@ -381,11 +391,13 @@ class AppClient(ClientApp):
         # a Context of its own: Flower's simulation refuses a changed run_config; the state is shared
         own = _with_run_config(context, self.plan.run_config)
         kind = message.metadata.message_type.split(".")[0]
-        try:
-            with seeded(self.plan.seed, "app-client", kind, max(_round_in(message), 0), partition), torch_threads(1):
-                return self.user_app()(message, own)
-        finally:
-            context.state = own.state
+        with _CLIENT_CALLS:
+            try:
+                with seeded(self.plan.seed, "app-client", kind, max(_round_in(message), 0), partition), \
+                        torch_threads(1):
+                    return self.user_app()(message, own)
+            finally:
+                context.state = own.state
 
 
 def _with_run_config(context: Context, run_config: dict[str, Any]) -> Context:
@@ -395,12 +407,48 @@ def _with_run_config(context: Context, run_config: dict[str, Any]) -> Context:
 
 
 def _round_in(message: Any) -> int:
-    """The ``server-round`` of a message's config records (-1: none)."""
+    """The ``server-round`` of a message's config records, else its ``group_id`` when that is a
+    number (Flower's legacy ``start_grid`` sends the round there), else -1."""
     for record in message.content.config_records.values():
         value = record.get(SERVER_ROUND)
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-    return -1
+    group = message.metadata.group_id
+    return int(group) if isinstance(group, str) and group.isdigit() else -1
+
+
+def _numeric(record: Any) -> dict[str, float]:
+    return {k: float(v) for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def reply_outcome(reply: Any) -> tuple[dict[str, float], str | None]:
+    """A train / evaluate reply's numeric metrics (its ``num-examples`` weight included) and, if it
+    failed, why.
+
+    A message-API reply carries its metrics in its metric records.  A legacy reply (a
+    ``NumPyClient`` / ``Client`` behind ``ClientApp(client_fn=...)``) carries them in Flower's compat
+    layout: ``{fitres,evaluateres}.metrics`` (a config record), ``.num_examples`` (the weight),
+    ``evaluateres.loss`` and a ``.status`` whose non-zero code is a failure."""
+    if reply.has_error():
+        reason = [ln for ln in (reply.error.reason or "").splitlines() if ln.strip()]
+        return {}, reason[-1].strip() if reason else str(reply.error.code)
+    content = reply.content
+    legacy = next((res for res in ("fitres", "evaluateres") if f"{res}.status" in content.config_records), None)
+    if legacy is None:
+        metrics: dict[str, float] = {}
+        for record in content.metric_records.values():
+            metrics.update(_numeric(record))
+        return metrics, None
+    status = content.config_records[f"{legacy}.status"]
+    if status.get("code", 0) != 0:
+        return {}, f"status {status.get('code')}: {status.get('message', '')}"
+    metrics = _numeric(content.config_records.get(f"{legacy}.metrics", {}))
+    if f"{legacy}.loss" in content.metric_records:
+        metrics.update(_numeric(content.metric_records[f"{legacy}.loss"]))
+    examples = content.metric_records.get(f"{legacy}.num_examples", {}).get("num_examples")
+    if isinstance(examples, (int, float)):
+        metrics[NUM_EXAMPLES] = float(examples)
+    return metrics, None
 
 
 # ------------------------------------------------------------------------------- server side
@@ -409,7 +457,7 @@ def _round_in(message: Any) -> int:
 @dataclass
 class _Round:
     started: float
-    ok: dict[str, list[dict[str, float]]] = field(default_factory=dict)  # kind -> reply metrics
+    ok: dict[str, list[tuple[int, dict[str, float]]]] = field(default_factory=dict)  # kind -> (partition, metrics)
     failed: dict[str, int] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
 
@@ -446,17 +494,13 @@ class RoundCollector:
             assert self.current is not None
             stats = self.current[1]
             for reply in replies:
-                where = f"partition {partition_of.get(reply.metadata.src_node_id, '?')}"
-                if reply.has_error():
+                partition = partition_of.get(reply.metadata.src_node_id, -1)
+                metrics, failure = reply_outcome(reply)
+                if failure is not None:
                     stats.failed[kind] = stats.failed.get(kind, 0) + 1
-                    reason = [ln for ln in (reply.error.reason or "").splitlines() if ln.strip()]
-                    stats.failures.append(f"{kind}: {where}: {reason[-1].strip() if reason else reply.error.code}")
+                    stats.failures.append(f"{kind}: partition {partition if partition >= 0 else '?'}: {failure}")
                     continue
-                metrics: dict[str, float] = {}
-                for record in reply.content.metric_records.values():
-                    metrics.update({k: float(v) for k, v in record.items()
-                                    if isinstance(v, (int, float)) and not isinstance(v, bool)})
-                stats.ok.setdefault(kind, []).append(metrics)
+                stats.ok.setdefault(kind, []).append((partition, metrics))
             if missing:
                 stats.failed[kind] = stats.failed.get(kind, 0) + missing
                 stats.failures += [f"{kind}: no reply"] * missing
@@ -474,7 +518,7 @@ class RoundCollector:
         self.current = None
         metrics: dict[str, float] = {}
         for kind in sorted(set(stats.ok) | set(stats.failed)):
-            replies = stats.ok.get(kind, [])
+            replies = [m for _, m in sorted(stats.ok.get(kind, []), key=lambda pm: pm[0])]  # arrival order varies
             metrics.update({mlflow_key(f"{kind}/{k}"): v for k, v in weighted_means(replies).items()})
             metrics[f"round/{kind}_ok"] = float(len(replies))
             metrics[f"round/{kind}_failed"] = float(stats.failed.get(kind, 0))
@@ -508,16 +552,22 @@ def weighted_means(replies: list[dict[str, float]]) -> dict[str, float]:
 
 
 class AppGrid(Grid):
-    """The grid the user's ServerApp sees: the engine's grid with node ids and replies in partition
-    order, and every train / evaluate reply recorded by a :class:`RoundCollector`."""
+    """The grid the user's ServerApp sees: the engine's grid with node ids ``partition + 1`` (the
+    ``flower`` engine's are random, so a strategy that samples or orders by node id would differ
+    between engines) and replies in partition order, and every train / evaluate reply recorded by a
+    :class:`RoundCollector`."""
 
     def __init__(self, inner: Grid, collector: RoundCollector, partition_of: dict[int, int]) -> None:
         self.inner = inner
         self.collector = collector
-        self.partition_of = partition_of
+        self.partition_of = partition_of  # the engine's node id -> partition
+        self.engine_node = {p + 1: node for node, p in partition_of.items()}
+        self.app_node = {node: p + 1 for node, p in partition_of.items()}
         self.pushed: dict[str, tuple[str, int]] = {}  # message id -> (kind, round), for push/pull users
         self.polls = 0  # get_node_ids calls since the last message: a strategy waiting for nodes
         self.polling_since = 0.0
+        self.in_flight = 0  # send_and_receive calls under way (Flower's legacy server polls meanwhile)
+        self.lock = threading.Lock()
 
     def set_run(self, run_id: int) -> None:  # pragma: no cover - the engine sets the inner run
         self.inner.set_run(run_id)
@@ -535,19 +585,34 @@ class AppGrid(Grid):
     def get_node_ids(self) -> list[int]:
         """The nodes in partition order; a strategy that keeps polling for more (every simulated node
         is there from the start, none will join) fails the run instead of waiting for ever."""
-        nodes = sorted(self.inner.get_node_ids(), key=self._order)
-        if self.polls == 0:
-            self.polling_since = time.monotonic()
-        self.polls += 1
-        if self.polls > MAX_NODE_POLLS and time.monotonic() - self.polling_since > MAX_NODE_POLL_S:
+        nodes = [self.app_node.get(n, n) for n in sorted(self.inner.get_node_ids(), key=self._order)]
+        with self.lock:
+            if self.in_flight:  # a round is under way: this is not a wait for nodes
+                return nodes
+            if self.polls == 0:
+                self.polling_since = time.monotonic()
+            self.polls += 1
+            waiting = self.polls > MAX_NODE_POLLS and time.monotonic() - self.polling_since > MAX_NODE_POLL_S
+        if waiting:
             raise RunFailedError(f"the ServerApp keeps waiting for more nodes than the {len(nodes)} simulated "
                                  f"(a strategy's min_available_nodes / min_train_nodes?); raise --num-nodes or "
                                  f"lower the strategy's minimum")
         return nodes
 
+    def _to_engine(self, messages: list[Message]) -> list[Message]:
+        for msg in messages:
+            msg.metadata.dst_node_id = self.engine_node.get(msg.metadata.dst_node_id, msg.metadata.dst_node_id)
+        return messages
+
+    def _to_app(self, replies: list[Message]) -> list[Message]:
+        for reply in replies:  # Metadata has no setter for the source
+            reply.metadata.__dict__["_src_node_id"] = self.app_node.get(reply.metadata.src_node_id,
+                                                                         reply.metadata.src_node_id)
+        return replies
+
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         self.polls = 0
-        messages = list(messages)
+        messages = self._to_engine(list(messages))
         ids = list(self.inner.push_messages(messages))
         for msg_id, msg in zip(ids, messages):
             self.pushed[msg_id] = _kind_round(msg, self.collector)
@@ -559,10 +624,9 @@ class AppGrid(Grid):
             kind, server_round = self.pushed.pop(reply.metadata.reply_to_message_id, ("", -1))
             if kind in ("train", "evaluate"):
                 self.collector.observe(kind, server_round, [reply], 0, self.partition_of)
-        return replies
+        return self._to_app(replies)
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
-        self.polls = 0
         messages = list(messages)
         if not messages:
             return []
@@ -570,12 +634,18 @@ class AppGrid(Grid):
         tracked = kind in ("train", "evaluate")
         if tracked:
             self.collector.begin(server_round)
-        replies = sorted(self.inner.send_and_receive(messages, timeout=timeout),
-                         key=lambda m: self._order(m.metadata.src_node_id))
+        with self.lock:
+            self.in_flight, self.polls = self.in_flight + 1, 0
+        try:
+            replies = sorted(self.inner.send_and_receive(self._to_engine(messages), timeout=timeout),
+                             key=lambda m: self._order(m.metadata.src_node_id))
+        finally:
+            with self.lock:
+                self.in_flight, self.polls = self.in_flight - 1, 0
         if tracked:
             self.collector.observe(kind, server_round, replies, max(len(messages) - len(replies), 0),
                                    self.partition_of)
-        return replies
+        return self._to_app(replies)
 
 
 def _kind_round(message: Any, collector: RoundCollector) -> tuple[str, int]:
@@ -609,9 +679,47 @@ def serve(inner: Any, plan: AppPlan, collector: RoundCollector, partition_of: di
     grid = AppGrid(inner, collector, partition_of)
     try:
         with seeded(plan.seed, "server-app"):
-            server_app(grid, context)
+            legacy_checked(server_app, plan.num_nodes)(grid, context)
     finally:
         collector.finish()
+
+
+#: A legacy strategy's minimums (``flwr.server.strategy.FedAvg`` and its subclasses).
+LEGACY_MINIMUMS = ("min_available_clients", "min_fit_clients", "min_evaluate_clients")
+
+
+def check_legacy_strategy(strategy: Any, num_nodes: int) -> None:
+    """A legacy strategy that needs more clients than there are simulated nodes is an error: Flower's
+    ``ClientManager.wait_for`` would block for a day instead (it never polls the grid)."""
+    for name in LEGACY_MINIMUMS:
+        need = getattr(strategy, name, None)
+        if isinstance(need, int) and need > num_nodes:
+            raise RunFailedError(f"the ServerApp's strategy has {name}={need} but only {num_nodes} nodes are "
+                                 f"simulated; raise --num-nodes or lower the strategy's minimum")
+
+
+def legacy_checked(server_app: ServerApp, num_nodes: int) -> ServerApp:
+    """``server_app``, or for a legacy one (``ServerApp(server_fn=...)`` or ``ServerApp(strategy=...)``,
+    run by Flower's ``start_grid``) a copy whose strategy is checked by :func:`check_legacy_strategy`
+    first.  Reads ServerApp's private ``_main`` / ``_server_fn`` / ``_strategy``; where a Flower
+    version names them otherwise, the app runs unchecked."""
+    import copy
+
+    if getattr(server_app, "_main", None) is not None:
+        return server_app
+    server_fn = getattr(server_app, "_server_fn", None)
+    if server_fn is None:
+        check_legacy_strategy(getattr(server_app, "_strategy", None), num_nodes)
+        return server_app
+
+    def checked(context: Context) -> Any:
+        components = server_fn(context)
+        check_legacy_strategy(getattr(components, "strategy", None), num_nodes)
+        return components
+
+    app = copy.copy(server_app)
+    app._server_fn = checked
+    return app
 
 
 def _user_error(exc: BaseException) -> RunFailedError:

@@ -291,6 +291,113 @@ def test_other_engines_give_the_local_metrics(app_dir, engine) -> None:
     assert metrics_of(other) == metrics_of(local)
 
 
+LEGACY_SERVER = '''\
+"""The ServerApp of Flower's older templates: ``server_fn`` and a ``flwr.server.strategy`` FedAvg."""
+
+from flwr.common import ndarrays_to_parameters
+from flwr.server import ServerApp, ServerAppComponents, ServerConfig
+from flwr.server.strategy import FedAvg
+
+from {pkg}.task import Net
+
+
+def weighted_accuracy(metrics):
+    n = sum(k for k, _ in metrics)
+    return {{"accuracy": sum(k * m["accuracy"] for k, m in metrics) / n}}
+
+
+def server_fn(context):
+    initial = ndarrays_to_parameters([v.detach().numpy() for v in Net().state_dict().values()])
+    strategy = FedAvg(fraction_fit=context.run_config["fraction-train"], fraction_evaluate=1.0,
+                      min_available_clients=2, initial_parameters=initial,
+                      evaluate_metrics_aggregation_fn=weighted_accuracy)
+    return ServerAppComponents(strategy=strategy,
+                               config=ServerConfig(num_rounds=context.run_config["num-server-rounds"]))
+
+
+app = ServerApp(server_fn=server_fn)
+'''
+
+LEGACY_CLIENT = '''\
+"""The ClientApp of Flower's older templates: ``client_fn`` returning a ``NumPyClient``."""
+
+import torch
+from flwr.client import ClientApp, NumPyClient
+
+from {pkg}.task import Net, load_data, test, train
+
+
+class FlowerClient(NumPyClient):
+    def __init__(self, trainloader, testloader, epochs, lr):
+        self.net, self.trainloader, self.testloader = Net(), trainloader, testloader
+        self.epochs, self.lr = epochs, lr
+
+    def _set(self, parameters):
+        self.net.load_state_dict({{k: torch.tensor(w) for k, w in zip(self.net.state_dict(), parameters)}})
+
+    def fit(self, parameters, config):
+        self._set(parameters)
+        loss = train(self.net, self.trainloader, self.epochs, self.lr)
+        weights = [v.detach().numpy() for v in self.net.state_dict().values()]
+        return weights, len(self.trainloader.dataset), {{"train_loss": loss}}
+
+    def evaluate(self, parameters, config):
+        self._set(parameters)
+        loss, acc = test(self.net, self.testloader)
+        return loss, len(self.testloader.dataset), {{"accuracy": acc}}
+
+
+def client_fn(context):
+    trainloader, testloader = load_data(context.node_config["partition-id"], context.node_config["num-partitions"],
+                                        context.run_config["batch-size"])
+    return FlowerClient(trainloader, testloader, context.run_config["local-epochs"], context.run_config["lr"]).to_client()
+
+
+app = ClientApp(client_fn=client_fn)
+'''
+
+
+@pytest.fixture(scope="module")
+def legacy_app(tmp_path_factory) -> Path:
+    """The quickstart as Flower's older templates write it: ``server_fn`` / ``client_fn``, a NumPyClient."""
+    return write_app(tmp_path_factory.mktemp("legacy-app"), "legacy_app",
+                     {"server_app.py": LEGACY_SERVER.format(pkg="legacy_app"),
+                      "client_app.py": LEGACY_CLIENT.format(pkg="legacy_app")})
+
+
+def close_metrics(a, b) -> bool:
+    """Equal keys and values up to float rounding: Flower's legacy server aggregates the replies in
+    the order of a set of futures, which varies from run to run."""
+    return [r.keys() for r in a] == [r.keys() for r in b] and all(
+        v == pytest.approx(r2[k], rel=1e-6, abs=1e-9) for r, r2 in zip(a, b) for k, v in r.items())
+
+
+def test_legacy_server_fn_and_client_fn_app(legacy_app) -> None:
+    """A ``ServerApp(server_fn=...)`` / ``ClientApp(client_fn=...)`` app: its per-round metrics come out
+    of Flower's compat records (``fitres.metrics``, ``evaluateres.loss``, weights ``num_examples``), the
+    rounds are the strategy's, the seed repeats it and matters, and too few nodes is an error, not a
+    day-long ``ClientManager.wait_for``."""
+    a = run_app(legacy_app, seed=1, tracking=False)
+    assert [r.round for r in a.records] == [1, 2]
+    first, last = metrics_of(a)[0], metrics_of(a)[-1]
+    assert {"train/train_loss", "evaluate/loss", "evaluate/accuracy"} <= first.keys()
+    assert not any("num_examples" in k or "num-examples" in k for k in first)
+    assert first["round/train_ok"] == 2 and first["round/evaluate_ok"] == 4
+    assert last["evaluate/loss"] < first["evaluate/loss"]  # it learns
+    assert close_metrics(metrics_of(run_app(legacy_app, seed=1, tracking=False)), metrics_of(a))
+    assert not close_metrics(metrics_of(run_app(legacy_app, seed=2, tracking=False)), metrics_of(a))
+    with pytest.raises(RunFailedError, match="min_available_clients=2 but only 1 nodes"):
+        run_app(legacy_app, num_nodes=1, tracking=False)
+
+
+@pytest.mark.slow
+def test_legacy_app_on_flowers_runtime_gives_the_local_metrics(legacy_app) -> None:
+    """Flower's simulation gives random node ids; the app sees ``partition + 1`` on every engine, so
+    the legacy client manager samples the same clients."""
+    local = run_app(legacy_app, seed=5, tracking=False)
+    assert close_metrics(metrics_of(run_app(legacy_app, seed=5, engine="flower", tracking=False)), metrics_of(local))
+
+
 BAD_MODULE = "import nonexistent_pkg_xyz\n"
 
 
