@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-RUNS = 4
+RUNS = 3
 
 
 @pytest.mark.slow

@@ -122,6 +122,17 @@ def fedsim_run(argv: list[str], tracking_uri: str, cwd: Path, timeout: float = 6
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def fedsim_in_process(argv: list[str], tracking_uri: str, capsys) -> subprocess.CompletedProcess:
+    """``fedsim run ARGV`` through :func:`fedsim.cli.main` in this process (the package is on
+    ``sys.path`` by the fixture, as PYTHONPATH puts it there for a fresh process): saves a
+    process start where the first run of a test already showed the fresh-process path."""
+    capsys.readouterr()
+    argv = argv if argv[0] == "run" else ["run", *argv]
+    code = main([*argv, "--quiet", "--tracking-uri", tracking_uri])
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, code, out.out, out.err)
+
+
 def run_of(proc: subprocess.CompletedProcess, tracking_uri: str):
     assert proc.returncode == 0, proc.stderr[-3000:]
     match = re.search(r"^run ([0-9a-f]{32})$", proc.stdout, re.M)
@@ -141,7 +152,7 @@ def small(argv: list[str]) -> list[str]:
 
 
 # -- end to end: the guide's commands, as a user runs them --------------------------------------------
-def test_import_path_strategy_and_model_run(userpkg, tracking_uri, tmp_path) -> None:
+def test_import_path_strategy_and_model_run(userpkg, tracking_uri, tmp_path, capsys, in_tmp) -> None:
     """``strategy.name=mypkg.strategies:build``: the typed params reach it (server_lr=0 freezes the global
     model, so the server accuracy never moves) and a user model by import path trains in the clients."""
     command = guide_commands()[0]
@@ -150,20 +161,21 @@ def test_import_path_strategy_and_model_run(userpkg, tracking_uri, tmp_path) -> 
     acc = accuracies(run, tracking_uri)
     assert len(acc) == 3 and len(set(acc)) == 1, acc  # rounds 0, 1, 2: the same model
     assert run.data.params["strategy.name"] == "mypkg.strategies:build"
-    mine = run_of(fedsim_run([str(userpkg / "mine.yaml"), "strategy.params.server_lr=1"], tracking_uri, tmp_path),
+    mine = run_of(fedsim_in_process([str(userpkg / "mine.yaml"), "strategy.params.server_lr=1"], tracking_uri, capsys),
                   tracking_uri)  # the user's experiment file: their model, by import path, learns
     acc = accuracies(mine, tracking_uri)
     assert acc[-1] > acc[0] and mine.data.params["model.name"] == "mypkg.models:tiny", acc
 
 
-def test_plugin_registers_a_named_strategy(userpkg, tracking_uri, tmp_path) -> None:
+def test_plugin_registers_a_named_strategy(userpkg, tracking_uri, tmp_path, capsys, in_tmp) -> None:
     """``--plugin mypkg.plugins`` registers ``server_step``; with server_lr=1 it learns (plain FedAvg)."""
     command = guide_commands()[1]
     assert "--plugin" in command and "strategy.name=server_step" in command
     frozen = run_of(fedsim_run(small(command), tracking_uri, tmp_path), tracking_uri)
     assert len(set(accuracies(frozen, tracking_uri))) == 1
     assert frozen.data.params["plugins"] in ("['mypkg.plugins']", '["mypkg.plugins"]')
-    moving = run_of(fedsim_run([*small(command), "strategy.params.server_lr=1"], tracking_uri, tmp_path), tracking_uri)
+    moving = run_of(fedsim_in_process([*small(command), "strategy.params.server_lr=1"], tracking_uri, capsys),
+                    tracking_uri)
     acc = accuracies(moving, tracking_uri)
     assert acc[-1] != acc[0], acc
 

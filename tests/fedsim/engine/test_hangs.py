@@ -34,12 +34,13 @@ def hangs(cfg: C.ExperimentConfig, rnd: int) -> list[int]:
     return [p for p in range(cfg.num_clients) if injected_fault(cfg, p, rnd) == "hang"]
 
 
-def seed_with_hangs(rounds: int) -> int:
-    """A seed whose every round hangs 2 or 3 calls, none of them the last partition (so calls after a hang run)."""
+def seed_with_hangs(rounds: int, most: int = 3) -> int:
+    """A seed whose every round hangs 2 to ``most`` calls, none of them the last partition (so calls
+    after a hang run)."""
     for seed in range(1000):
         cfg = load(f"seed={seed}", rounds=rounds)
         per_round = [hangs(cfg, r) for r in range(1, rounds + 1)]
-        if all(2 <= len(h) <= 3 and CLIENTS - 1 not in h for h in per_round):
+        if all(2 <= len(h) <= most and CLIENTS - 1 not in h for h in per_round):
             return seed
     raise AssertionError("no such seed")
 
@@ -147,10 +148,12 @@ def test_local_engine_takes_a_huge_finite_client_timeout() -> None:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("engine", ["ray", "flower"])
 def test_ray_and_flower_engines_a_hang_costs_its_own_slot(engine: str) -> None:
-    """Two actors, 20 clients, 2-3 hangs per round: only the hanging calls fail, none queued behind them."""
-    seed = seed_with_hangs(2)
+    """Two actors, 20 clients, one round with 2 hangs: only the hanging calls fail, none queued behind
+    them (the local engine's test above covers a second round)."""
+    seed = seed_with_hangs(1, most=2)
     # 10 s: far above a real call (~0.1 s idle), so a machine loaded by other jobs (one CI run shared its
     # 2 cores with a claim check and timed out real calls at 3 s) still fails only the hangs
-    cfg = load(f"seed={seed}", f"engine.name={engine}", "engine.client_timeout_s=10", "engine.round_timeout_s=1e6")
+    cfg = load(f"seed={seed}", f"engine.name={engine}", "engine.client_timeout_s=10", "engine.round_timeout_s=1e6",
+               rounds=1)
     summary = run_experiment(cfg)
     assert_only_the_hangs_failed(cfg, summary, limit=10, slack=120)  # + actor start-up on a busy machine
