@@ -66,30 +66,28 @@ server's test split.
 
 The learner owns its data and model: ``cfg.data`` and ``cfg.model`` are ignored (the YAML leaves
 them at their defaults); the data set and the network are set in ``client.params``.
+
+The parts: :mod:`clients.ldl.environment` (data, split, node rows, augmentation, network),
+:mod:`clients.ldl.training` (a node's round, plain or DP-SGD, and the evaluations) and
+:mod:`clients.ldl.report` (set-up summary, run means, plots); this class composes them.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
 from torch import nn
 
-from fedsim.contracts.learner import EvalResult, Learner, NodeContext, StateDict, TrainResult
-from clients.ldl.augment import Augment, AugmentParams, augment_for
-from clients.ldl.measures import MEASURES, RANKS, ldl_measures
-from clients.ldl.methods import (RECIPES, Recipe, Weights, per_example_loss, predict, pseudo_distributions, recipe_of,
-                                 step_loss)
-from clients.supervised import iterate_batches, make_dp_compatible, make_optimizer
-from envs.ldl import (ImageLDLParams, LDLData, LDLSplit, NodeRows, TabularLDLParams, federated_ldl, image_ldl,
-                      split_ldl, tabular_ldl)
+from clients.ldl import report, training
+from clients.ldl.augment import Augment, AugmentParams
+from clients.ldl.environment import DATASETS, LDLEnvironment, NodeData
+from clients.ldl.methods import RECIPES, Recipe, Weights, recipe_of
+from envs.ldl import ImageLDLParams, LDLData, LDLSplit, NodeRows, TabularLDLParams
 from fedsim.config import ExperimentConfig
+from fedsim.contracts.learner import EvalResult, Learner, NodeContext, StateDict, TrainResult
 from fedsim.errors import ConfigError
-from fedsim.models import build_model
 from fedsim.registry import LEARNERS
 from fedsim.seeding import derive_seed, seed_torch
 from privacy.facade import PrivateTrainer
@@ -97,11 +95,6 @@ from privacy.plan import ClientPrivacyPlan
 
 if TYPE_CHECKING:
     from fedsim.contracts.history import History
-
-DATASETS = ("a", "b")  # a: image LDL (digits / MNIST), b: synthetic tabular LDL
-#: The measures of the pseudo-distributions reported as train metrics (and ``eval/pseudo_*`` all eight).
-PSEUDO_TRAIN = ("spearman", "kendall", "cosine", "intersection")
-LOSS_KEYS = ("sup_kl", "sup_rank", "unsup_kl", "unsup_rank")
 
 
 @dataclass
@@ -145,16 +138,6 @@ class LDLParams:
         return replace(self.weights, unsup_weight=self.unsup_weight * ramp)
 
 
-@dataclass
-class NodeData:
-    """A node's tensors: labelled rows with their distributions, unlabelled rows (and their truth, to measure)."""
-
-    x_l: torch.Tensor
-    d_l: torch.Tensor
-    x_u: torch.Tensor
-    d_u: torch.Tensor  # never used in training
-
-
 @LEARNERS.register("ldl", params=LDLParams, summary="semi-supervised label distribution learning (RankMatch, "
                                                     "FixMatch-style, pseudo-labelling, supervised KL)")
 class LDLLearner(Learner):
@@ -170,76 +153,44 @@ class LDLLearner(Learner):
         super().__init__(cfg, params)
         self._dp: dict[int, PrivateTrainer] = {}
         self.recipe: Recipe = recipe_of(params.method)
-        self._data: LDLData | None = None
-        self._split: LDLSplit | None = None
-        self._rows: list[NodeRows] | None = None
-        self._nodes: dict[int, NodeData] = {}
-        self._model: nn.Module | None = None
-        self._augment: Augment | None = None
+        self.env = LDLEnvironment(cfg, params)
 
-    # -- data and model ---------------------------------------------------------------------------
+    # -- data and model (clients.ldl.environment) -------------------------------------------------
     @property
     def data(self) -> LDLData:
-        if self._data is None:
-            p, seed = self.params, self.cfg.seed
-            self._data = (image_ldl(p.image, seed, "client.params.image") if p.dataset == "a"
-                          else tabular_ldl(p.tabular, seed, "client.params.tabular"))
-        return self._data
+        return self.env.data
 
     @property
     def split(self) -> LDLSplit:
-        if self._split is None:
-            p = self.params
-            try:
-                self._split = split_ldl(self.data, p.labelled_ratio, p.test_fraction, derive_seed(self.cfg.seed, "ldl"),
-                                        self.cfg.evaluation.validation_fraction)
-            except ConfigError as exc:
-                raise ConfigError(f"client.params: {exc}") from None
-        return self._split
+        return self.env.split
 
     @property
     def rows(self) -> list[NodeRows]:
-        if self._rows is None:
-            p = self.params
-            n_u, k = len(self.split.unlabelled), self.cfg.num_clients
-            if k > 1 and p.min_unlabelled * k > n_u:
-                raise ConfigError(f"client.params.min_unlabelled={p.min_unlabelled} x {k} clients exceeds the "
-                                  f"{n_u} unlabelled rows; lower it or num_clients")
-            try:
-                self._rows = federated_ldl(self.data, self.split, k, p.labelled_clients, p.alpha, p.min_unlabelled,
-                                           derive_seed(self.cfg.seed, "ldl-clients"))
-            except ConfigError as exc:
-                raise ConfigError(f"client.params (labelled_clients / alpha / min_unlabelled): {exc}") from None
-        return self._rows
+        return self.env.rows
 
     def node(self, partition_id: int) -> NodeData:
-        if partition_id not in self._nodes:
-            r, x, d = self.rows[partition_id], self.data.x, self.data.d
-            t = torch.from_numpy
-            self._nodes[partition_id] = NodeData(t(x[r.labelled]), t(d[r.labelled]), t(x[r.unlabelled]),
-                                                 t(d[r.unlabelled]))
-        return self._nodes[partition_id]
+        return self.env.node(partition_id)
 
     @property
     def augment(self) -> Augment:
-        """Augmentation scaled by the training pool's statistics; under DP by the server's test split's
-        (the pool's std would be a statistic of every node's private rows, outside the ledger)."""
-        if self._augment is None:
-            rows = (self.split.test if self.sample_level_dp
-                    else np.concatenate([self.split.labelled, self.split.unlabelled]))
-            self._augment = augment_for(self.data.x[rows], self.params.augment)
-        return self._augment
+        return self.env.augment
+
+    @property
+    def model(self) -> nn.Module:
+        return self.env.model
 
     def build_network(self) -> nn.Module:
-        p, data = self.params, self.data
-        name = p.model if p.model != "auto" else ("cnn" if len(data.input_shape) == 3 else "mlp")
-        model = build_model(name, dict(p.model_params), data.input_shape, data.num_labels)
-        return make_dp_compatible(model) if self.sample_level_dp else model  # BatchNorm -> GroupNorm
+        return self.env.build_network()
+
+    def _load(self, arrays: StateDict) -> nn.Module:
+        model = self.model
+        model.load_state_dict(arrays)
+        return model
 
     # -- privacy (sample-level DP-SGD through privacy.facade) -------------------------------------------
     @property
     def sample_level_dp(self) -> bool:
-        return self.cfg.privacy.enabled and self.cfg.privacy.level == "sample"
+        return self.env.sample_level_dp
 
     def dp_rows(self, partition_id: int) -> int:
         """Rows of the node's DP data: labelled, plus unlabelled when the recipe uses them."""
@@ -262,17 +213,6 @@ class LDLLearner(Learner):
         if self.num_steps(partition_id) == 0:  # supervised on an unlabelled-only node: never trains
             return ClientPrivacyPlan(0, 0.0, 0.0, 0, 0, 0.0)
         return self.dp_trainer(partition_id).plan(partition_id, self.dp_rows(partition_id))
-
-    @property
-    def model(self) -> nn.Module:
-        if self._model is None:
-            self._model = self.build_network()
-        return self._model
-
-    def _load(self, arrays: StateDict) -> nn.Module:
-        model = self.model
-        model.load_state_dict(arrays)
-        return model
 
     # -- checks -----------------------------------------------------------------------------------
     def preflight(self) -> None:
@@ -309,211 +249,54 @@ class LDLLearner(Learner):
             for pid in range(cfg.num_clients):
                 self.privacy_plan(pid)
 
-    # -- Learner API ------------------------------------------------------------------------------
+    # -- Learner API (clients.ldl.training) -------------------------------------------------------
     def init_arrays(self) -> StateDict:
         seed_torch(derive_seed(self.cfg.seed, "model-init"))
-        return {k: v.detach().clone() for k, v in self.build_network().state_dict().items()}
+        return training.state_of(self.build_network())
 
     def num_steps(self, partition_id: int) -> int:
         """Optimiser steps a round costs this node (the same for every method)."""
-        c, n = self.cfg.client, self.node(partition_id)
-        if self.params.method == "supervised" and len(n.x_l) == 0:
-            return 0
-        if c.local_steps is not None:
-            return c.local_steps
-        per_epoch = max(-(-len(n.x_u) // (self.params.mu * c.batch_size)), -(-len(n.x_l) // c.batch_size))
-        return c.local_epochs * per_epoch
+        return training.num_steps(self.cfg.client, self.params.method, self.params.mu, self.node(partition_id))
 
     def lr_factor(self, server_round: int) -> float:
         """The round's learning-rate factor (FixMatch's cosine decay over the run's rounds, or 1)."""
-        if self.params.lr_schedule == "constant":
-            return 1.0
-        return math.cos(7 * math.pi * (server_round - 1) / (16 * self.cfg.rounds))
+        return training.lr_factor(self.params.lr_schedule, server_round, self.cfg.rounds)
 
     def local_work(self, partition_id: int) -> float:
         return float(self.num_steps(partition_id))
 
     def train(self, arrays: StateDict, ctx: NodeContext) -> TrainResult:
-        model, node, recipe = self._load(arrays), self.node(ctx.partition_id), self.recipe
-        weights = self.params.weights_at(ctx.server_round)
-        seed_torch(ctx.seed("torch"))
-        gen = torch.Generator().manual_seed(ctx.seed("ldl-augment"))
-        # the pseudo-distributions this round starts from, measured against the truth
-        q0 = pseudo_distributions(model, node.x_u, recipe, weights, self.augment, gen)
-        pseudo = ldl_measures(node.d_u.numpy(), q0.numpy()) if len(node.x_u) else {}
-        q_fixed = q0 if recipe.pseudo == "snapshot" else None
-        steps = self.num_steps(ctx.partition_id)
-        use_u = recipe.uses_unlabelled and len(node.x_u) > 0
-        b = self.cfg.client.batch_size
-        lab_gen = torch.Generator().manual_seed(ctx.seed("ldl-labelled"))
-        unl_gen = torch.Generator().manual_seed(ctx.seed("ldl-unlabelled"))
-        lab = iterate_batches(len(node.x_l), b, lab_gen) if len(node.x_l) else None
-        unl = iterate_batches(len(node.x_u), self.params.mu * b, unl_gen) if use_u else None
-        opt = make_optimizer(model, self.cfg)
-        for group in opt.param_groups:
-            group["lr"] = self.cfg.client.lr * self.lr_factor(ctx.server_round)
-        model.train()
+        model, node = self._load(arrays), self.node(ctx.partition_id)
+        lr = self.cfg.client.lr * self.lr_factor(ctx.server_round)
+        r = training.start_round(model, node, self.recipe, self.params.weights_at(ctx.server_round), self.env, ctx,
+                                 self.num_steps(ctx.partition_id), lr)
         if self.sample_level_dp:
-            return self._train_private(model, ctx, opt, weights, gen, q_fixed, pseudo, steps)
-        sums = dict.fromkeys(("loss", *LOSS_KEYS, "kept"), 0.0)
-        kept_steps = 0
-        for _ in range(steps):
-            il = next(lab) if lab is not None else torch.empty(0, dtype=torch.long)
-            iu = next(unl) if unl is not None else None
-            loss, parts = step_loss(model, node.x_l[il], node.d_l[il], node.x_u[iu] if iu is not None else None,
-                                    recipe, weights, self.augment, gen, q_fixed[iu] if q_fixed is not None else None)
-            if loss.requires_grad:  # every term switched off (e.g. unsup_weight=0 on an unlabelled-only node)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-            sums["loss"] += float(loss.detach())
-            for k in LOSS_KEYS:
-                sums[k] += parts[k]
-            if math.isfinite(parts["kept"]):
-                sums["kept"] += parts["kept"]
-                kept_steps += 1
-        metrics = {k: (v / steps if steps else 0.0) for k, v in sums.items() if k != "kept"}
-        metrics["kept"] = sums["kept"] / kept_steps if kept_steps else 0.0
-        metrics.update({f"pseudo_{k}": float(pseudo.get(k, math.nan)) for k in PSEUDO_TRAIN})
-        metrics["steps"] = float(steps)
-        n = (len(node.x_l) + (len(node.x_u) if use_u else 0)) if steps else 0
-        return TrainResult({k: v.detach().clone() for k, v in model.state_dict().items()}, n, metrics)
-
-    def _train_private(self, model: nn.Module, ctx: NodeContext, opt: torch.optim.Optimizer, weights: Weights,
-                       gen: torch.Generator, q_fixed: torch.Tensor | None, pseudo: dict[str, float],
-                       steps: int) -> TrainResult:
-        """DP-SGD on the node's rows ``(x, target, labelled)``: labelled rows with their distributions,
-        unlabelled rows with their round snapshot (pseudo_label) or a placeholder (q built in the loss)."""
-        node, recipe = self.node(ctx.partition_id), self.recipe
-        metrics = {f"pseudo_{k}": float(pseudo.get(k, math.nan)) for k in PSEUDO_TRAIN}
-        if steps == 0:  # supervised on an unlabelled-only node
-            zero = {k: 0.0 for k in ("loss", *LOSS_KEYS, "kept")}
-            return TrainResult({k: v.detach().clone() for k, v in model.state_dict().items()}, 0,
-                               {**zero, **metrics, "steps": 0.0})
-        use_u = recipe.uses_unlabelled and len(node.x_u) > 0
-        xs, ts, flags = [node.x_l], [node.d_l], [torch.ones(len(node.x_l))]
-        if use_u:
-            xs.append(node.x_u)
-            ts.append(q_fixed if q_fixed is not None else torch.full_like(node.d_u, 1.0 / node.d_u.shape[1]))
-            flags.append(torch.zeros(len(node.x_u)))
-        data = (torch.cat(xs), torch.cat(ts).float(), torch.cat(flags))
-        sums = dict.fromkeys((*LOSS_KEYS, "labelled", "unlabelled", "kept"), 0.0)
-
-        def loss(module: nn.Module, batch: Any) -> torch.Tensor:
-            x, target, flag = batch
-            per, parts = per_example_loss(module, x, target, flag > 0.5, recipe, weights, self.augment, gen)
-            with torch.no_grad():
-                for k in LOSS_KEYS:
-                    sums[k] += float(parts[k].sum())
-                sums["labelled"] += float((flag > 0.5).sum())
-                sums["unlabelled"] += float((flag < 0.5).sum())
-                sums["kept"] += float((parts["unsup_kl"] > 0).sum())
-            return per.sum() / max(len(x), 1)  # the batch mean (0 on an empty Poisson batch)
-
-        out = self.dp_trainer(ctx.partition_id).train_round(model, opt, data, ctx, num_examples=len(data[0]),
-                                                            loss=loss)
-        per_row = {k: sums[k] / max(sums["labelled" if k.startswith("sup") else "unlabelled"], 1.0) for k in LOSS_KEYS}
-        metrics.update({"loss": out.mean_loss, **per_row,
-                        "kept": sums["kept"] / sums["unlabelled"] if sums["unlabelled"] else 0.0,
-                        "steps": float(out.steps), **out.metrics})
-        return TrainResult({k: v.detach().clone() for k, v in model.state_dict().items()}, len(data[0]), metrics)
+            return training.train_private(r, ctx, self.dp_trainer(ctx.partition_id))
+        return training.train_local(r, ctx, self.cfg.client.batch_size, self.params.mu)
 
     def evaluate(self, arrays: StateDict, ctx: NodeContext) -> EvalResult:
         """The six measures of the global model on the node's unlabelled rows (their truth is known offline)."""
         node = self.node(ctx.partition_id)
-        p = predict(self._load(arrays), node.x_u)
-        return EvalResult(len(node.x_u), ldl_measures(node.d_u.numpy(), p.numpy()) if len(node.x_u) else {})
+        return training.evaluate_node(self._load(arrays), node)
 
     def evaluate_global(self, arrays: StateDict) -> dict[str, float]:
         """Test-set measures (six + Spearman/Kendall) and the same of the recipe's pseudo-distributions of the pool."""
-        model, data, split = self._load(arrays), self.data, self.split
-        out = ldl_measures(data.d[split.test], predict(model, torch.from_numpy(data.x[split.test])).numpy())
-        if len(split.val):  # evaluation.validation_fraction > 0: what tuning selects on (never the test rows)
-            val = ldl_measures(data.d[split.val], predict(model, torch.from_numpy(data.x[split.val])).numpy())
-            out.update({f"val/{k}": v for k, v in val.items()})
-        if self.sample_level_dp:  # eval/pseudo_* would read every node's private unlabelled rows on the server
-            return out
-        gen = torch.Generator().manual_seed(derive_seed(self.cfg.seed, "ldl-eval-pseudo"))
-        q = pseudo_distributions(model, torch.from_numpy(data.x[split.unlabelled]), self.recipe, self.params.weights,
-                                 self.augment, gen)
-        out.update({f"pseudo_{k}": v for k, v in ldl_measures(data.d[split.unlabelled], q.numpy()).items()})
-        return out
+        return training.evaluate_server(self._load(arrays), self.env, self.recipe, self.params.weights)
 
+    # -- the run's report (clients.ldl.report) ------------------------------------------------------
     def setup_summary(self) -> dict[str, Any]:
-        s, d = self.split, self.data.d
-        entropy = float(-(d * np.log(np.maximum(d, 1e-12))).sum(1).mean() / np.log(d.shape[1]))
-        return {"ldl.set": self.data.name, "ldl.num_labels": self.data.num_labels, "ldl.n_test": len(s.test),
-                "ldl.n_labelled": len(s.labelled), "ldl.n_unlabelled": len(s.unlabelled),
-                "ldl.normalised_entropy": round(entropy, 4), "ldl.mean_peak_mass": round(float(d.max(1).mean()), 4),
-                "ldl.labelled_nodes": sum(len(r.labelled) > 0 for r in self.rows)}
+        return report.setup_summary(self.data, self.split, self.rows)
 
     def setup_artifacts(self, out_dir: Path) -> list[Path]:
-        from envs.plots import plot_label_histogram
+        return report.setup_artifacts(self.data, self.rows, out_dir)
 
-        c = self.data.num_labels
-        hist = np.stack([np.bincount(self.data.peak[r.unlabelled], minlength=c) for r in self.rows])
-        lab = [len(r.labelled) for r in self.rows]
-        title = f"unlabelled rows per node by peak label (labelled rows per node: {lab})"
-        return [plot_label_histogram(hist, out_dir / "ldl_nodes.png", title)]
-
-    # -- the run's report ---------------------------------------------------------------------------
     def final_report(self, history: "History", out_dir: Path | None) -> tuple[dict[str, float], list[Path]]:
-        rounds = [r for r in history.records if r.round >= 1 and "eval/pseudo_spearman" in r.metrics]
-        if not rounds:
+        metrics = report.pseudo_means(history)
+        if metrics is None:
             return {}, []
-        metrics: dict[str, float] = {}
-        for k in ("spearman", "kendall", "cosine", "intersection", "kl"):
-            series = [r.metrics[f"eval/pseudo_{k}"] for r in rounds]
-            metrics[f"ldl/pseudo_{k}_mean"] = float(np.mean(series))  # over rounds 1..R: the whole run's pseudo-labels
-        files: list[Path] = []
-        if out_dir is not None:
-            files += self._plots(history, out_dir)
-        return {k: v for k, v in metrics.items() if math.isfinite(v)}, files
-
-    def _plots(self, history: "History", out_dir: Path) -> list[Path]:
-        from matplotlib.figure import Figure
-
-        from fedsim.metrics.plots import save
-
         title = (f"{self.params.method}: {self.data.name}, {self.params.labelled_ratio:.0%} labelled, "
                  f"{self.cfg.num_clients} node(s), seed {self.cfg.seed}")
-        keys = [*MEASURES, *RANKS]
-        fig = Figure(figsize=(14, 6.5), layout="constrained")
-        for i, k in enumerate(keys):
-            ax = fig.add_subplot(2, 4, i + 1)
-            for prefix, label in (("eval/", "test"), ("eval/pseudo_", "pseudo-labels (unlabelled pool)")):
-                pts = history.series(prefix + k)
-                if pts:
-                    ax.plot(*zip(*pts), marker=".", label=label)
-            ax.set_title(k)
-            ax.set_xlabel("round")
-            ax.grid(alpha=0.3)
-            if i == 0:
-                ax.legend(fontsize=7)
-        fig.suptitle(title)
-        files = [save(fig, out_dir / "ldl_measures.png")]
-        fig = Figure(figsize=(7, 4.5), layout="constrained")
-        ax = fig.add_subplot()
-        for k in ("spearman", "kendall", "cosine", "intersection"):
-            pts = history.series(f"eval/pseudo_{k}")
-            if pts:
-                ax.plot(*zip(*pts), marker=".", label=k)
-        ax.set_xlabel("round")
-        ax.set_ylabel("pseudo-labels vs truth")
-        ax.set_title(f"pseudo-label quality: rank (Spearman, Kendall) vs similarity (Cosine, Intersection)\n{title}",
-                     fontsize=9)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        files.append(save(fig, out_dir / "ldl_pseudo.png"))
-        table = out_dir / "ldl_rounds.csv"
-        cols = [f"eval/{k}" for k in keys] + [f"eval/pseudo_{k}" for k in keys]
-        lines = [",".join(["round", *cols])]
-        for r in history.records:
-            if "eval/kl" in r.metrics:
-                lines.append(",".join([str(r.round), *(f"{r.metrics.get(c, float('nan')):.6g}" for c in cols)]))
-        table.write_text("\n".join(lines) + "\n")
-        files.append(table)
-        return files
+        return metrics, report.plots(history, out_dir, title) if out_dir is not None else []
 
 
-__all__ = ["LDLLearner", "LDLParams", "RECIPES"]
+__all__ = ["LDLLearner", "LDLParams", "NodeData", "RECIPES"]

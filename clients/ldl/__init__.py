@@ -4,6 +4,9 @@
 * :mod:`clients.ldl.losses` — KL and the pairwise relevance-ranking loss (margin / order only).
 * :mod:`clients.ldl.augment` — weak and strong augmentations of images and tabular features.
 * :mod:`clients.ldl.methods` — the six methods as recipes over one loss; pseudo-distributions.
+* :mod:`clients.ldl.environment`, :mod:`clients.ldl.training`, :mod:`clients.ldl.report` — the
+  learner's parts: data, rows and network per node; one node's round (plain or DP-SGD) and the
+  evaluations; the run's summary, plots and table.
 
 The learner that runs them is :mod:`clients.ldl_learner` (``client.learner: ldl``).
 """
