@@ -59,8 +59,14 @@ class SupervisedParams:
 
 
 def make_optimizer(model: nn.Module, cfg: ExperimentConfig) -> torch.optim.Optimizer:
+    """The client's optimiser over the model's trainable parameters."""
+    return optimizer_for([p for p in model.parameters() if p.requires_grad], cfg)
+
+
+def optimizer_for(params: list[torch.Tensor], cfg: ExperimentConfig) -> torch.optim.Optimizer:
+    """``client.optimizer`` (SGD or Adam) with the client's settings over ``params``: the one optimiser
+    step of the sequential learner and of the vectorised cohort (:mod:`clients.vectorised`)."""
     c = cfg.client
-    params = [p for p in model.parameters() if p.requires_grad]
     if c.optimizer == "adam":
         return torch.optim.Adam(params, lr=c.lr, weight_decay=c.weight_decay)
     return torch.optim.SGD(params, lr=c.lr, momentum=c.momentum, weight_decay=c.weight_decay)

@@ -20,11 +20,11 @@ steps and 4e-7 after 40 momentum steps of the small CNN; the tests check ``atol=
 * batches are padded to a common width; the loss is the cross-entropy averaged over the client's
   real examples only (padded rows get weight 0, so they add exactly 0 to the gradient), plus
   FedProx's ``(mu/2)||w - w_global||^2`` when the client's round config carries ``"proximal-mu"``;
-* the update is ``torch.optim.SGD``'s (weight decay added to the gradient, momentum buffer set to
-  the first step's direction, then ``buf = m * buf + d``; no dampening, no Nesterov, as
-  :func:`clients.supervised.make_optimizer` builds it) or ``torch.optim.Adam``'s (L2 weight decay,
-  bias corrections in double precision as torch computes them); ``grad_clip`` is the per-client
-  global-norm clip of ``clip_grad_norm_``;
+* the update is one ``step()`` of the learner's own optimiser (:func:`clients.supervised.optimizer_for`,
+  ``torch.optim.SGD`` or ``torch.optim.Adam`` with the client's settings) over the stacked
+  parameters: both are element-wise, so a step on ``[C, ...]`` is each client's step (finished
+  clients' slices are put back); ``grad_clip`` is the per-client global-norm clip of
+  ``clip_grad_norm_``;
 * clients are sorted by their number of steps, so the clients still training at any step are a
   prefix of the chunk: the others are simply not computed any more.
 
@@ -64,9 +64,10 @@ from torch.func import functional_call, grad_and_value, vmap
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 from torch.nn.modules.dropout import _DropoutNd
 
+from fedsim.config import ExperimentConfig
 from fedsim.contracts.learner import Learner, NodeContext, StateDict, TrainResult
 from fedsim.contracts.wire import PROXIMAL_MU
-from clients.supervised import SupervisedLearner, make_optimizer, num_local_steps
+from clients.supervised import SupervisedLearner, make_optimizer, num_local_steps, optimizer_for
 from fedsim.seeding import seed_torch
 from fedsim.contracts.transforms import apply_transforms
 from fedsim.contracts.wire import TRANSFORM_KEY
@@ -261,43 +262,28 @@ def _clip(grads: Tensors, max_norm: float) -> Tensors:
 
 
 class _Optimiser:
-    """torch's single-tensor SGD / Adam update on stacked parameters, for the first ``k`` clients."""
+    """The learner's own optimiser (:func:`clients.supervised.optimizer_for`) stepping the stacked
+    ``[C, ...]`` parameters: SGD's and Adam's updates are element-wise, so one ``step()`` is every
+    client's own step.  Clients that have finished (a suffix of the chunk) must not move: their
+    parameter and state slices are put back after the step."""
 
-    def __init__(self, opt: torch.optim.Optimizer, params: Tensors) -> None:
-        self.adam = type(opt) is torch.optim.Adam
-        self.d = opt.defaults
-        self.state: dict[str, Tensors] = {n: {} for n in params}
-        if self.adam:
-            for n, p in params.items():
-                self.state[n] = {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+    def __init__(self, cfg: ExperimentConfig, params: Tensors) -> None:
+        self.params = list(params.values())
+        self.opt = optimizer_for(self.params, cfg)
 
-    def step(self, params: Tensors, grads: Tensors, k: int, step: int) -> None:
-        for n, g in grads.items():
-            p = params[n][:k]
-            if self.d["weight_decay"] != 0:
-                g = g.add(p, alpha=self.d["weight_decay"])
-            if self.adam:
-                self._adam(p, g, self.state[n], k, float(step + 1))
-            else:
-                self._sgd(p, g, self.state[n], k, step)
-
-    def _sgd(self, p: torch.Tensor, g: torch.Tensor, st: Tensors, k: int, step: int) -> None:
-        if self.d["momentum"] != 0:
-            if step == 0:  # every client takes its first step together
-                st["buf"] = g.detach().clone()
-                g = st["buf"]
-            else:
-                g = st["buf"][:k].mul_(self.d["momentum"]).add_(g)
-        p.add_(g, alpha=-self.d["lr"])
-
-    def _adam(self, p: torch.Tensor, g: torch.Tensor, st: Tensors, k: int, t: float) -> None:
-        beta1, beta2 = self.d["betas"]
-        exp_avg, exp_avg_sq = st["exp_avg"][:k], st["exp_avg_sq"][:k]
-        exp_avg.lerp_(g, 1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        step_size = self.d["lr"] / (1 - beta1**t)
-        denom = (exp_avg_sq.sqrt() / (1 - beta2**t) ** 0.5).add_(self.d["eps"])
-        p.addcdiv_(exp_avg, denom, value=-step_size)
+    def step(self, grads: Tensors, k: int) -> None:
+        """One step for the first ``k`` clients, with their ``grads`` (``[k, ...]``)."""
+        kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for p, g in zip(self.params, grads.values(), strict=True):
+            full = torch.zeros_like(p)
+            full[:k] = g
+            p.grad = full
+            if k < len(p):
+                tensors = [p, *(t for t in self.opt.state.get(p, {}).values() if t.dim() > 0)]
+                kept += [(t, t[k:].clone()) for t in tensors]
+        self.opt.step()
+        for t, rest in kept:
+            t[k:] = rest
 
 
 @dataclass
@@ -354,7 +340,7 @@ def _train_chunk(learner: SupervisedLearner, clients: list[_Client]) -> list[Tra
     ch = _stack_chunk(learner, clients)
     proximal = bool(ch.anchor)
     step_fn = vmap(grad_and_value(_loss_fn(model, proximal)), randomness="error")
-    opt = _Optimiser(make_optimizer(model, learner.cfg), ch.params)
+    opt = _Optimiser(learner.cfg, ch.params)
     clip = learner.params.grad_clip
     losses = torch.zeros(len(ch.active), len(clients), dtype=torch.float64)
     for s, k in enumerate(ch.active):
@@ -364,7 +350,7 @@ def _train_chunk(learner: SupervisedLearner, clients: list[_Client]) -> list[Tra
                               ch.mask[s, :k], {n: a[:k] for n, a in ch.anchor.items()}, ch.mu[:k])
         if clip is not None:
             grads = _clip(grads, clip)
-        opt.step(ch.params, grads, k, s)
+        opt.step(grads, k)
         losses[s, :k] = loss.detach().double()
     stacked = {**ch.params, **ch.consts}
     results = []
