@@ -275,12 +275,12 @@ class _Optimiser:
         """One step for the first ``k`` clients, with their ``grads`` (``[k, ...]``)."""
         kept: list[tuple[torch.Tensor, torch.Tensor]] = []
         for p, g in zip(self.params, grads.values(), strict=True):
-            full = torch.zeros_like(p)
-            full[:k] = g
-            p.grad = full
-            if k < len(p):
-                tensors = [p, *(t for t in self.opt.state.get(p, {}).values() if t.dim() > 0)]
-                kept += [(t, t[k:].clone()) for t in tensors]
+            if k == len(p):  # every client of the chunk still trains: the common case
+                p.grad = g
+                continue
+            p.grad = torch.cat([g, g.new_zeros((len(p) - k, *g.shape[1:]))])
+            tensors = [p, *(t for t in self.opt.state.get(p, {}).values() if t.dim() > 0)]
+            kept += [(t, t[k:].clone()) for t in tensors]
         self.opt.step()
         for t, rest in kept:
             t[k:] = rest
