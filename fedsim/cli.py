@@ -503,7 +503,7 @@ def cmd_run_app(args: argparse.Namespace) -> int:
         if summary.run_id:
             print(f"run {summary.run_id}", flush=True)
         return 0
-    label = f"{plan.app.name} · {plan.engine} · {plan.num_nodes} nodes"
+    label = f"{plan.app.name} · {plan.engine} · {plan.num_nodes} node{'' if plan.num_nodes == 1 else 's'}"
     with AppProgress(progress_total(plan), label, console, started=started) as progress:
         summary = run_app(args.path, observers=[progress], **kwargs)
     from fedsim.contracts.history import History

@@ -770,9 +770,7 @@ def run_ray(plan: AppPlan, collector: RoundCollector) -> None:
 
 def run_flower(plan: AppPlan, collector: RoundCollector) -> None:
     """The app on Flower's simulation runtime (``run_simulation``, Ray backend), as the flower engine runs."""
-    from flwr.simulation import run_simulation
-
-    from fedsim.engine.flower import StoppableGrid, _init_ray, _shutdown_ray, _watchdog, backend_config
+    from fedsim.engine.flower import StoppableGrid, backend_config, simulate
     from fedsim.engine.runtime import client_call_limit
     from fedsim.logs import quiet_third_party
 
@@ -782,7 +780,7 @@ def run_flower(plan: AppPlan, collector: RoundCollector) -> None:
     config = backend_config(spec)
     limit = client_call_limit(cfg)
     outcome: dict[str, Any] = {}
-    stop, finished, timed_out = threading.Event(), threading.Event(), threading.Event()
+    stop = threading.Event()
     server = ServerApp()
 
     @server.main()
@@ -794,22 +792,7 @@ def run_flower(plan: AppPlan, collector: RoundCollector) -> None:
         except BaseException as exc:  # re-raised in the caller's thread below
             outcome["error"] = exc
 
-    client = AppClient(plan)
-    watchdog = threading.Thread(target=_watchdog, args=(cfg.engine.flower.timeout_s, stop, finished, timed_out),
-                                name="fedsim-flower-watchdog", daemon=True)
-    _init_ray(config)
-    watchdog.start()
-    try:
-        run_simulation(server_app=server, client_app=client, num_supernodes=plan.num_nodes, backend_config=config,
-                       verbose_logging=plan.verbose)
-    except KeyboardInterrupt:
-        if not timed_out.is_set():
-            raise
-    finally:
-        finished.set()
-        stop.set()
-        _shutdown_ray()
-    if timed_out.is_set():
+    if simulate(server, AppClient(plan), plan.num_nodes, config, plan.verbose, cfg.engine.flower.timeout_s, stop):
         raise RunFailedError(f"the Flower simulation exceeded {cfg.engine.flower.timeout_s:g}s and was stopped")
     if "error" in outcome:
         raise outcome["error"]

@@ -17,13 +17,14 @@ handler ``ray.init`` installs would end a SIGTERM-ed run FAILED instead of KILLE
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from flwr.app import Message
@@ -127,7 +128,6 @@ def backend_config(spec: RunSpec) -> dict[str, Any]:
 def run_flower(spec: RunSpec, observers: list[RoundObserver]) -> ServerResult:
     from flwr.app import Context
     from flwr.serverapp import ServerApp
-    from flwr.simulation import run_simulation
 
     cfg = spec.cfg
     verbose = cfg.engine.verbose
@@ -135,7 +135,7 @@ def run_flower(spec: RunSpec, observers: list[RoundObserver]) -> ServerResult:
     config = backend_config(spec)
     limit = client_call_limit(cfg)
     outcome: dict[str, Any] = {}
-    stop, finished, timed_out = threading.Event(), threading.Event(), threading.Event()
+    stop = threading.Event()
     server = ServerApp()
 
     @server.main()
@@ -145,21 +145,8 @@ def run_flower(spec: RunSpec, observers: list[RoundObserver]) -> ServerResult:
         except BaseException as exc:  # re-raised in the caller's thread below
             outcome["error"] = exc
 
-    watchdog = threading.Thread(target=_watchdog, args=(cfg.engine.flower.timeout_s, stop, finished, timed_out),
-                                name="fedsim-flower-watchdog", daemon=True)
-    _init_ray(config)
-    watchdog.start()
-    try:
-        run_simulation(server_app=server, client_app=build_client_app(spec, deadline=limit),
-                       num_supernodes=cfg.num_clients, backend_config=config, verbose_logging=verbose)
-    except KeyboardInterrupt:
-        if not timed_out.is_set():
-            raise
-    finally:
-        finished.set()
-        stop.set()  # the server thread, if still running, stops at its next poll
-        _shutdown_ray()
-    if timed_out.is_set():
+    client_app = build_client_app(spec, deadline=limit)
+    if simulate(server, client_app, cfg.num_clients, config, verbose, cfg.engine.flower.timeout_s, stop):
         raise RunFailedError(f"the Flower simulation exceeded engine.flower.timeout_s="
                              f"{cfg.engine.flower.timeout_s:g}s and was stopped")
     if "error" in outcome:
@@ -167,6 +154,69 @@ def run_flower(spec: RunSpec, observers: list[RoundObserver]) -> ServerResult:
     if "result" not in outcome:
         raise RunFailedError("the Flower simulation ended without a result (see the log above)")
     return outcome["result"]
+
+
+def simulate(server: Any, client_app: Any, num_nodes: int, config: dict[str, Any], verbose: bool,
+             timeout_s: float, stop: threading.Event) -> bool:
+    """Flower's ``run_simulation`` on Ray under the watchdog; True when it ran past ``timeout_s``.
+
+    ``stop`` is set when the simulation returns (the server thread, if still running, stops at its
+    next poll).  A Ray session that was already running (the user's own, a sweep's) stays up: only a
+    Ray started here is shut down.
+    """
+    from flwr.simulation import run_simulation
+
+    finished, timed_out = threading.Event(), threading.Event()
+    watchdog = threading.Thread(target=_watchdog, args=(timeout_s, stop, finished, timed_out),
+                                name="fedsim-flower-watchdog", daemon=True)
+    started = _init_ray(config)
+    watchdog.start()
+    try:
+        with _ray_session_kept(not started):
+            run_simulation(server_app=server, client_app=client_app, num_supernodes=num_nodes,
+                           backend_config=config, verbose_logging=verbose)
+    except KeyboardInterrupt:
+        if not timed_out.is_set():
+            raise
+    finally:
+        finished.set()
+        stop.set()
+        if started:
+            _shutdown_ray()
+    return timed_out.is_set()
+
+
+@contextlib.contextmanager
+def _ray_session_kept(keep: bool) -> Iterator[None]:
+    """While ``keep``, Flower's Ray backend ends its own actors but not the Ray session.
+
+    Flower's ``RayBackend.terminate`` calls ``ray.shutdown()``, which would end a session the user
+    (or a caller such as a sweep) started before the run.  Flower looks the class up in its module
+    each time it builds a backend, so the subclass is swapped in for the block only.
+    """
+    if not keep:
+        yield
+        return
+    import ray
+    from flwr.server.superlink.fleet.vce.backend import raybackend
+
+    original = raybackend.RayBackend
+
+    class SessionKeepingRayBackend(original):  # type: ignore[misc, valid-type]
+        def terminate(self) -> None:
+            pool = self.pool
+            if pool is None:
+                return
+            busy = list(getattr(pool, "_future_to_actor", {}).values())  # a hung call's actor is not idle
+            for actor in [*pool.pool, *busy]:
+                with contextlib.suppress(Exception):
+                    ray.kill(actor, no_restart=True)
+
+    raybackend.RayBackend = SessionKeepingRayBackend
+    try:
+        yield
+    finally:
+        raybackend.RayBackend = original
 
 
 def _watchdog(timeout_s: float, stop: threading.Event, finished: threading.Event, timed_out: threading.Event) -> None:
@@ -179,18 +229,20 @@ def _watchdog(timeout_s: float, stop: threading.Event, finished: threading.Event
         os.kill(os.getpid(), signal.SIGINT)  # a real signal wakes a main thread blocked in a join
 
 
-def _init_ray(config: dict[str, Any]) -> None:
-    """Start Ray as Flower's backend would, but keep fedsim's signal handlers (see the module doc)."""
+def _init_ray(config: dict[str, Any]) -> bool:
+    """Start Ray as Flower's backend would, but keep fedsim's signal handlers (see the module doc);
+    True when this call started it (False: a session was already running)."""
     import ray
 
     if ray.is_initialized():
-        return
+        return False
     if "address" not in config["init_args"]:
         reaper.ensure_started()  # the agents of a local Ray must not outlive a killed driver
     pythonpath = os.pathsep.join([*sys.path, *([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])])
     with signal_handlers_kept():
         ray.init(runtime_env={"env_vars": {"PYTHONPATH": pythonpath}}, **{"include_dashboard": False,
                                                                             **config["init_args"]})
+    return True
 
 
 def _shutdown_ray() -> None:

@@ -43,3 +43,28 @@ def test_oversized_client_resources_rejected_before_ray_starts() -> None:
     cfg = digits_cfg("flower", "engine.flower.client_num_cpus=4")
     with pytest.raises(ConfigError, match="client_num_cpus=4.0 exceeds the 2 CPUs"):
         run_experiment(cfg)
+
+
+def test_a_ray_session_started_before_the_run_stays_up_and_gets_its_cpus_back() -> None:
+    """Flower's backend ends with ``ray.shutdown()``; a session the user started must survive it,
+    with Flower's actors gone (all CPUs free again) and the user's objects still there."""
+    import time
+
+    import ray
+
+    from fedsim.engine.flower import _init_ray
+
+    assert not ray.is_initialized()
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    try:
+        mine = ray.put("the user's object")
+        result = run_experiment(digits_cfg("flower", "data.partition.name=iid"))
+        assert [r.round for r in result.history.records] == [0, 1, 2]
+        assert ray.is_initialized() and ray.get(mine) == "the user's object"
+        deadline = time.monotonic() + 30
+        while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert ray.available_resources().get("CPU", 0) == 2, "Flower's actors still hold CPUs"
+        assert _init_ray({"init_args": {}}) is False  # a running session is reused, never restarted
+    finally:
+        ray.shutdown()
