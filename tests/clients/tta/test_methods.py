@@ -1,4 +1,4 @@
-"""TTA methods (clients/tta/methods.py): what they may change, online prediction, ETA/LCoTTA
+"""TTA methods (clients/tta/methods/): what they may change, online prediction, ETA/LCoTTA
 equivalence without projection, LCoTTA's snapshot schedule and projection, RDumb's resets, state
 round trips, determinism and config errors."""
 
