@@ -9,6 +9,9 @@ The optional sections of ``experiments/reproduce/<name>.yaml`` (see :mod:`fedsim
         metric: eval/accuracy               # default: the spec's metric
         margin: 0.01                        # superiority: mean(better - worse) > margin
       - {kind: equivalence, better: {...}, worse: {...}, margin: 0.02}   # |a - b| < margin
+      - at: {params.num_tasks: 3}           # two metrics of one configuration (a centralised run that
+        better_metric: adapt/acc/lora_ml    # evaluates every method itself): better/worse may then be
+        worse_metric: adapt/acc/retrain     # empty, and both sides may pick the same configuration
     controls:
       positive:                             # comparisons whose outcome is known; one failing -> invalid
         - {better: {strategy.name: ffa_lora}, worse: {strategy.name: fedavg_lora}, at: {eps: 1}}
@@ -51,10 +54,21 @@ class Comparison:
     worse: dict[str, Any] = field(default_factory=dict)
     at: dict[str, Any] = field(default_factory=dict)
     metric: Optional[str] = None  # default: the spec's metric
+    better_metric: Optional[str] = None  # the better side's metric (default: ``metric``)
+    worse_metric: Optional[str] = None  # the worse side's metric (default: ``metric``)
     margin: float = 0.0
     kind: str = V.SUPERIORITY  # superiority | equivalence
     higher_is_better: bool = True
     name: str = ""  # shown instead of the built text
+
+    def metrics(self, spec_metric: str) -> tuple[str, str]:
+        """The (better side's, worse side's) metric."""
+        default = self.metric or spec_metric
+        return self.better_metric or default, self.worse_metric or default
+
+    @property
+    def two_metrics(self) -> bool:
+        return bool(self.better_metric or self.worse_metric)
 
 
 @dataclass
@@ -167,14 +181,15 @@ def validate_protocol(spec: Any, grid: list[dict[str, Any]], path: str) -> None:
 def _check_comparison(comp: Comparison, grid: list[dict[str, Any]], what: str) -> None:
     if comp.kind not in (V.SUPERIORITY, V.EQUIVALENCE):
         raise ConfigError(f"{what}: kind must be {V.SUPERIORITY} or {V.EQUIVALENCE}, got {comp.kind!r}")
-    if not comp.better or not comp.worse:
+    if not comp.two_metrics and (not comp.better or not comp.worse):
         raise ConfigError(f"{what}: needs both `better` and `worse` (grid keys -> values)")
     if comp.kind == V.EQUIVALENCE and comp.margin <= 0:
         raise ConfigError(f"{what}: an equivalence claim needs a margin > 0, got {comp.margin}")
     b = pick(grid, {**comp.at, **comp.better}, f"{what} `better`")
     w = pick(grid, {**comp.at, **comp.worse}, f"{what} `worse`")
-    if b == w:
-        raise ConfigError(f"{what}: `better` and `worse` pick the same configuration")
+    if b == w and (not comp.two_metrics or comp.better_metric == comp.worse_metric):
+        raise ConfigError(f"{what}: `better` and `worse` pick the same configuration"
+                          + (" and the same metric" if comp.two_metrics else ""))
 
 
 def _check_reference(ref: Reference, grid: list[dict[str, Any]], what: str) -> None:
@@ -224,6 +239,13 @@ def comparison_text(comp: Comparison, metric: str) -> str:
     from fedsim.reproduce import label_of
 
     a, b = label_of(comp.better), label_of(comp.worse)
+    if comp.two_metrics:  # metric is "better_metric − worse_metric" then
+        mb, mw = metric.split(" − ")
+        a, b = (f"{a} {mb}" if a else mb), (f"{b} {mw}" if b else mw)
+        where = f" at {label_of(comp.at)}" if comp.at else ""
+        if comp.kind == V.EQUIVALENCE:
+            return f"|{a} − {b}| < {comp.margin:g}{where}"
+        return f"{a} {'>' if comp.higher_is_better else '<'} {b} by {comp.margin:g}{where}"
     where = f" at {label_of(comp.at)}" if comp.at else ""
     if comp.kind == V.EQUIVALENCE:
         return f"|{a} − {b}| < {comp.margin:g} on {metric}{where}"
@@ -266,10 +288,12 @@ class VerdictRow:
 def _evaluate(spec: Any, comp: Comparison, grid_results: list[Any], what: str, controls_passed: bool,
               role: str, control: str) -> VerdictRow:
     grid = [r.setting for r in grid_results]
-    metric = comp.metric or spec.metric
+    better_metric, worse_metric = comp.metrics(spec.metric)
+    metric = f"{better_metric} − {worse_metric}" if comp.two_metrics else better_metric
     better = grid_results[pick(grid, {**comp.at, **comp.better}, what)]
     worse = grid_results[pick(grid, {**comp.at, **comp.worse}, what)]
-    _, d = V.paired_differences(per_seed(better, metric, spec.metric), per_seed(worse, metric, spec.metric),
+    _, d = V.paired_differences(per_seed(better, better_metric, spec.metric),
+                                per_seed(worse, worse_metric, spec.metric),
                                 higher_is_better=comp.higher_is_better, what=what)
     verdict = V.decide(d, comp.margin, kind=comp.kind, confidence=spec.confidence, method=spec.interval,
                        seed=0, controls_passed=controls_passed)

@@ -80,7 +80,8 @@ class ClaimSpec:
 
     def tracked_metrics(self) -> list[str]:
         """Final values kept per seed: the extra columns and every claim/control metric."""
-        wanted = [*self.extra_metrics, *(c.metric for c in [*self.claim, *self.controls.positive] if c.metric)]
+        comparisons = [*self.claim, *self.controls.positive]
+        wanted = [*self.extra_metrics, *(m for c in comparisons for m in c.metrics(self.metric))]
         return [m for m in dict.fromkeys(wanted) if m != self.metric]
 
 

@@ -125,6 +125,9 @@ def _spec_file(tmp_path: Path, text: str) -> str:
     ("claim: {better: {eps: 3}, worse: {strategy.name: fedavg}}", "'eps' is not a grid key"),
     ("claim: {kind: equivalence, better: {strategy.name: fedprox, client.local_epochs: 1},"
      " worse: {strategy.name: fedavg, client.local_epochs: 1}}", "needs a margin > 0"),
+    ("claim: {at: {strategy.name: fedprox, client.local_epochs: 1}, better_metric: eval/loss,"
+     " worse_metric: eval/loss}", "pick the same configuration and the same metric"),
+    ("claim: {better_metric: eval/loss, worse_metric: eval/accuracy}", "matches 6 configurations"),
     ("tune: {grid: {client.lr: [0.1]}, metric: eval/accuracy}", "must be a validation metric"),
     ("tune: {grid: {client.local_epochs: [1]}}", "is a claim grid key"),
     ("controls: {floor: {value: 0.1}}", "needs its source"),
@@ -254,6 +257,27 @@ def test_protocol_end_to_end_tunes_on_val_and_decides(tmp_path) -> None:
     assert "| floor | 0.1000 | constant: chance (10 classes) |" in md
     ceiling = next(r for r in results if r.role == "ceiling")
     assert f"| ceiling | {np.mean(ceiling.finals):.4f} | run with client.lr=0.3 (mean of 2 seeds) |" in md
+
+
+def test_a_claim_may_compare_two_metrics_of_one_configuration(tmp_path) -> None:
+    """A centralised run that evaluates every method itself logs one metric per method: the claim
+    pairs two metrics of the same configuration, seed by seed."""
+    from fedsim.reproduce import load_claim, run_claim, verdicts_or_error
+
+    protocol = ("claim:\n  at: {strategy.name: fedprox, client.local_epochs: 2}\n"
+                "  better_metric: val/accuracy\n  worse_metric: eval/accuracy\n  margin: 0.0\n")
+    spec = load_claim(_spec_file(tmp_path, BASE + protocol), seeds=3, extra_overrides=["tracking.enabled=false"])
+    assert "val/accuracy" in spec.tracked_metrics()
+    calls: list[tuple[str, float]] = []
+    results, _ = run_claim("c", spec, run_one=fake_runner(calls))
+    rows, error = verdicts_or_error(spec, results)
+    assert error is None and len(rows) == 1
+    lr = {lr for _, lr in calls}.pop()
+    # fake_runner: val = base + 0.05 [lr 0.1] + noise, test = base + 0.05 [lr 0.5] + noise + 0.001 x epochs
+    expected = (0.05 if lr == 0.1 else 0.0) - (0.05 if lr == 0.5 else 0.0) - 0.002
+    assert rows[0].verdict.interval.mean == pytest.approx(expected)
+    assert rows[0].metric == "val/accuracy − eval/accuracy"
+    assert rows[0].text == "val/accuracy > eval/accuracy by 0 at strategy=fedprox, local_epochs=2"
 
 
 def _artifact(client, run_id: str, name: str) -> str:
