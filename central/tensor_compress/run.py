@@ -19,7 +19,9 @@ MNIST), ``tucker_sigma_transfer`` / ``cp_sigma_transfer`` (ALS-Σ with Σ from t
 Headline metrics: ``acc/original``; ``acc/<method>/x<ratio>`` and ``acc_mean/<method>`` (mean over
 ratios); ``eval/accuracy`` (the first method at the first ratio — the claim grid's metric);
 ``claim/<family>_sigma_gain`` (Σ − Frobenius accuracy, mean over ratios) and
-``claim/<family>_transfer_drop`` (Σ − transferred-Σ accuracy) when both sides ran.
+``claim/<family>_transfer_drop`` (Σ − transferred-Σ accuracy) when both sides ran;
+``fit/rel_fro_err`` and ``fit/rel_sigma_err`` (the first fit's mean relative error over layers in
+each norm; ``fit/<err>/<method>`` averaged over ratios): each fit must be best in its own norm.
 """
 
 from __future__ import annotations
@@ -183,7 +185,8 @@ def _run(ctx: CentralContext, p: TensorCompressParams) -> dict[str, float]:
                 orig = sum(f["original_params"] for f in facts)
                 rows.append({"method": method, "ratio": ratio, "achieved_ratio": round(orig / kept, 3),
                              "factorised_params": kept, "original_params": orig, "accuracy": acc,
-                             "acc_drop": round(base_acc - acc, 4), "seconds": round(seconds, 2)})
+                             "acc_drop": round(base_acc - acc, 4), "seconds": round(seconds, 2),
+                             **{k: float(np.mean([f[k] for f in facts])) for k in ERRORS if k in facts[0]}})
                 layer_rows.extend(facts)
                 label = f"{method}/x{ratio:g}"
                 headline[f"acc/{label}"] = acc
@@ -236,10 +239,20 @@ def _errors(conv: nn.Conv2d, kernel: torch.Tensor, sigma: torch.Tensor | None) -
     return out
 
 
+#: per-layer relative reconstruction errors (Frobenius; Σ from MNIST), averaged over layers per fit
+ERRORS = ("rel_fro_err", "rel_sigma_err")
+
+
 def _summary(p: TensorCompressParams, rows: list[dict[str, Any]]) -> dict[str, float]:
     acc = {(r["method"], r["ratio"]): r["accuracy"] for r in rows}
     out = {f"acc_mean/{m}": float(np.mean([acc[(m, r)] for r in p.ratios])) for m in p.methods}
     out["eval/accuracy"] = acc[(p.methods[0], p.ratios[0])]
+    first = next(r for r in rows if (r["method"], r["ratio"]) == (p.methods[0], p.ratios[0]))
+    for key in ERRORS:  # the first fit's mean relative error over layers, in each norm (the controls' metric)
+        if key in first:
+            out[f"fit/{key}"] = first[key]
+            for m in p.methods:
+                out[f"fit/{key}/{m}"] = float(np.mean([r[key] for r in rows if r["method"] == m]))
     for fam in FAMILIES:
         pairs = {"sigma_gain": (f"{fam}_sigma", f"{fam}_fro"),
                  "transfer_drop": (f"{fam}_sigma", f"{fam}_sigma_transfer"),

@@ -189,6 +189,12 @@ def test_same_seed_gives_identical_metrics_through_the_runner(tmp_path, monkeypa
     for name in {r["layer"] for r in layers}:  # each fit wins in its own norm
         assert by[("tucker_sigma", name)]["rel_sigma_err"] <= by[("tucker_fro", name)]["rel_sigma_err"] + 1e-9
         assert by[("tucker_id", name)]["rel_fro_err"] <= by[("tucker_sigma", name)]["rel_fro_err"] + 1e-9
+    # the summary's fit errors (the claim spec's controls read them) are the layers' means
+    for key in ("rel_fro_err", "rel_sigma_err"):
+        for method in ("tucker_fro", "tucker_sigma"):
+            mean = np.mean([r[key] for r in layers if r["method"] == method])
+            assert a.metrics[f"fit/{key}/{method}"] == pytest.approx(mean, abs=1e-5)  # the table rounds to 5 places
+        assert a.metrics[f"fit/{key}"] == a.metrics[f"fit/{key}/tucker_fro"]  # the first method's, as eval/accuracy
     c = run_central(C.load_central_config(str(path), seed=1))
     assert c.metrics != a.metrics
 
@@ -226,5 +232,5 @@ def test_defaults_and_claim_spec_are_valid() -> None:
         seen.add((params.methods[0], params.ratios[0]))
     assert {m for m, _ in seen} >= {"tucker_fro", "tucker_sigma", "tucker_sigma_transfer", "cp_fro", "cp_sigma"}
     assert len(seen) == len(reproduce.settings(spec)) and len({r for _, r in seen}) >= 3
-    assert spec.metric == "eval/accuracy" and len(spec.seeds) == 3
+    assert spec.metric == "eval/accuracy" and len(spec.seeds) >= 3 and spec.has_protocol
     assert np.all([RUN.sigma_source(m) in (None, "target", "transfer") for m in RUN.METHODS])
