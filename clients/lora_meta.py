@@ -49,6 +49,20 @@ Adam (5e-4) for 100 epochs on 8v9; the metric is test accuracy on 8v9 (last and 
   (``eval/new_task_acc_step<s>``); the base alone on the retraining tasks' test images
   (``eval/train_tasks_acc``).
 
+**Two reference methods** (no retraining, every round replies the received base unchanged):
+``untrained`` — the run seed's base (the floor: round 0 as a configuration a claim check can compare
+against); ``oracle`` — only with ``tasks: teacher``, the teacher's own shared base (the ceiling).
+
+**The teacher task family** (``tasks: teacher``, :mod:`clients.peft_meta.teacher`,
+``experiments/peft_meta_teacher.yaml``): on digit pairs a random base plus a rank-1 LoRA is already a
+good few-shot classifier (the pairs are nearly linearly separable), so nothing shared is *needed* and
+the benchmark cannot separate the methods (issue #30).  The teacher family makes the shared structure
+necessary: inputs are whitened PCA features of the MNIST images, task t's labels come from one random
+teacher network of the student's architecture plus a task-specific rank-k change of one layer
+(``teacher_layer``, the head by default), i.e. the paper's ``A* + U_t U_tᵀ`` lifted to a nonlinear
+classifier; the new task is one more such change, so the teacher's base plus a rank-k LoRA represents
+it exactly.  The new task has a validation split (``val/new_task_acc``, what a claim check tunes on).
+
 **Deliberate deviations and reconstructed pieces**
 
 * MNIST and a small Mixer (width 32, 7 × 7 patches, no dropout) instead of CIFAR-10 and the
@@ -162,7 +176,7 @@ if TYPE_CHECKING:
 
 
 @LEARNERS.register("lora_meta", params=LoraMetaParams,
-                   summary="LoRA-ML meta-learning on binary digit / text tasks (lora_ml, retrain, reptile); "
+                   summary="LoRA-ML meta-learning on binary digit / text / teacher tasks (lora_ml, retrain, reptile); "
                            "few-shot rank-k LoRA on a new task, personalised FL with client = task")
 class LoraMetaLearner(Learner):
     """Retraining on T binary tasks (centralised or client = task), few-shot LoRA evaluation on a new one.
@@ -257,7 +271,8 @@ class LoraMetaLearner(Learner):
 
     # -- Learner API ------------------------------------------------------------------------------------
     def init_arrays(self) -> StateDict:
-        return self.model(0).base_state()
+        """The round-0 base (the run seed's draw; the teacher's shared base for ``oracle``)."""
+        return self.method.init_arrays()
 
     def train(self, arrays: StateDict, ctx: NodeContext) -> TrainResult:
         task_ids = self.node_tasks(ctx.partition_id)

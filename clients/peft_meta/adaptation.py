@@ -41,6 +41,8 @@ def fit_new_lora(env: TaskEnvironment, arrays: StateDict, repeat: int) -> tuple[
         model.train()
         train_step(opt, model(xs, slot_s), ys)
     out["loss"], out["acc"] = scores(model, new.x_test, new.y_test, slot_t)  # scored once at the end
+    if new.x_val is not None and new.y_val is not None:  # the teacher family: selection on validation only
+        out["val_acc"] = scores(model, new.x_val, new.y_val, torch.zeros(len(new.y_val), dtype=torch.long))[1]
     if p.ft_steps in checkpoints:
         out[f"acc_step{p.ft_steps}"] = out["acc"]
     return model, out
@@ -54,6 +56,8 @@ def evaluate_new_task(env: TaskEnvironment, arrays: StateDict) -> dict[str, floa
     out = {"new_task_acc": float(np.mean([r["acc"] for r in runs])),
            "new_task_loss": float(np.mean([r["loss"] for r in runs])),
            "new_task_acc_before": float(np.mean([r[f"acc_step{0}"] for r in runs]))}
+    if "val_acc" in runs[0]:
+        out["val/new_task_acc"] = float(np.mean([r["val_acc"] for r in runs]))  # logged unprefixed (tuning)
     for s in p.curve_points:
         out[f"new_task_acc_step{s}"] = float(np.mean([r[f"acc_step{s}"] for r in runs]))
     x = torch.cat([t.x_test for t in env.tasks])

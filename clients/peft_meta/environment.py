@@ -25,14 +25,17 @@ STATE_KEY = "lora-meta-adapters"
 
 @dataclass
 class Task:
-    """One binary task: training and test inputs (images float32 N × 1 × H × W, or token ids int64
-    N × max_len) with 0/1 labels."""
+    """One binary task: training and test inputs (images float32 N × 1 × H × W, token ids int64
+    N × max_len, or teacher features float32 N × d) with 0/1 labels; the teacher family's new task
+    also has a validation split (``x_val`` / ``y_val``, hyper-parameter selection only)."""
 
-    pair: tuple[int, int]
+    pair: tuple[int, int]  # the digit / family pair; (t, t) for teacher task t
     x_train: torch.Tensor
     y_train: torch.Tensor
     x_test: torch.Tensor
     y_test: torch.Tensor
+    x_val: torch.Tensor | None = None
+    y_val: torch.Tensor | None = None
 
 
 def make_tasks(x: np.ndarray, y: np.ndarray, pairs: list[list[int]], test_fraction: float, seed: int,
@@ -95,6 +98,7 @@ class TaskEnvironment:
         self._tasks: list[Task] | None = None
         self._new: Task | None = None
         self._num_classes: int | None = None
+        self._teacher: LoraNet | None = None
 
     def _arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """The dataset's inputs (float32 images, or int64 token ids for a text set) and labels."""
@@ -113,12 +117,36 @@ class TaskEnvironment:
     def _load(self) -> None:
         p = self.params
         x, y = self._arrays()
+        if self.is_teacher:
+            from clients.peft_meta.teacher import make_teacher_tasks
+
+            self._tasks, self._new, self._teacher = make_teacher_tasks(x, p, self.cfg.seed)
+            return
         self._tasks = make_tasks(x, y, p.train_pairs, p.test_fraction, self.cfg.seed, balance=True)
         (self._new,) = make_tasks(x, y, [p.new_pair], 0.5, self.cfg.seed, balance=False)  # shot pool | test
 
     @property
     def is_text(self) -> bool:
         return self.params.dataset in TEXT_DATASETS
+
+    @property
+    def is_teacher(self) -> bool:
+        """The ``tasks: teacher`` family (:mod:`clients.peft_meta.teacher`) instead of label pairs."""
+        return self.params.tasks == "teacher"
+
+    @property
+    def num_train_tasks(self) -> int:
+        """T: retraining tasks (``num_tasks`` teachers, or one per ``train_pairs`` entry)."""
+        return self.params.num_tasks if self.is_teacher else len(self.params.train_pairs)
+
+    @property
+    def teacher(self) -> LoraNet:
+        """The teacher network of the ``teacher`` family (slot t = task t, slot T = the new task)."""
+        if not self.is_teacher:
+            raise ValueError("only the teacher task family has a teacher")
+        if self._teacher is None:
+            self._load()
+        return self._teacher  # type: ignore[return-value]
 
     @property
     def num_classes(self) -> int:
@@ -145,7 +173,7 @@ class TaskEnvironment:
 
     def node_tasks(self, partition_id: int) -> list[int]:
         """The retraining tasks node ``partition_id`` holds (all of them when centralised)."""
-        split = np.array_split(np.arange(len(self.params.train_pairs)), self.cfg.num_clients)
+        split = np.array_split(np.arange(self.num_train_tasks), self.cfg.num_clients)
         return [int(t) for t in split[partition_id]]
 
     def train_examples(self, task_ids: list[int]) -> int:

@@ -62,6 +62,10 @@ class TrainingMethod(ABC):
         """The model the node trains and evaluates: with its adapters or the plain base."""
         return self.env.node_model(arrays, ctx, task_ids) if self.adapters else self.env.plain(arrays)
 
+    def init_arrays(self) -> StateDict:
+        """The round-0 base: the model drawn from the run seed."""
+        return self.env.model(0).base_state()
+
     def dp_examples(self, task_ids: list[int]) -> int:
         """Rows of one DP-SGD run: the node's pooled task examples."""
         return self.env.train_examples(task_ids)
@@ -208,8 +212,36 @@ class Reptile(TrainingMethod):
         return StepResult(self.reply(arrays, deltas, ctx.server_round), tally.loss, tally.acc, 0.0, ledger)
 
 
+class Untrained(TrainingMethod):
+    """No retraining: every round replies the received base unchanged, so every round's new-task score
+    is that of the untrained base drawn from the run seed (the floor: round 0 as a configuration)."""
+
+    name = "untrained"
+
+    def train(self, arrays: StateDict, ctx: NodeContext, task_ids: list[int], streams: Streams) -> StepResult:
+        return StepResult({k: v.clone() for k, v in arrays.items()}, 0.0, 0.0)  # no training batch
+
+    def train_private(self, arrays: StateDict, ctx: NodeContext, task_ids: list[int], dp: PrivateTrainer,
+                      tally: Tally) -> StepResult:
+        """Touches no private example (no DP step is spent)."""
+        return self.train(arrays, ctx, task_ids, [])
+
+
+class Oracle(Untrained):
+    """The teacher family's ceiling: the base *is* the teacher's shared base (never retrained), so a
+    rank-k LoRA on its first layer can represent the new task exactly."""
+
+    name = "oracle"
+
+    def init_arrays(self) -> StateDict:
+        from clients.peft_meta.teacher import teacher_base
+
+        return teacher_base(self.env.teacher)
+
+
 #: The methods by ``client.params.method`` (the order of :data:`clients.peft_meta.params.METHODS`).
-TRAINING_METHODS: dict[str, type[TrainingMethod]] = {m.name: m for m in (LoraML, Retrain, Reptile)}
+TRAINING_METHODS: dict[str, type[TrainingMethod]] = {m.name: m for m in (LoraML, Retrain, Reptile,
+                                                                                   Untrained, Oracle)}
 
 
 def build_method(env: TaskEnvironment) -> TrainingMethod:

@@ -14,7 +14,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fedsim")
 
-METHODS = ("lora_ml", "retrain", "reptile")
+METHODS = ("lora_ml", "retrain", "reptile", "untrained", "oracle")  # the last two: floor and ceiling
+TASK_FAMILIES = ("pairs", "teacher")
 DATASET_NAMES = ("mnist", "digits", "stdlib_docs")
 TEXT_DATASETS = ("stdlib_docs",)
 ARCHS = ("mlp", "mixer", "minilm")
@@ -24,7 +25,12 @@ ARCHS = ("mlp", "mixer", "minilm")
 class LoraMetaParams:
     """``client.params`` of the ``lora_meta`` learner."""
 
-    method: str = "lora_ml"  # lora_ml | retrain | reptile
+    method: str = "lora_ml"  # lora_ml | retrain | reptile | untrained (no retraining: floor) | oracle (teacher base)
+    tasks: str = "pairs"  # pairs (label pairs of dataset) | teacher (clients.peft_meta.teacher: teacher + rank-k)
+    num_tasks: int = 4  # teacher: T retraining tasks
+    features: int = 16  # teacher: whitened PCA components of the MNIST images (the inputs)
+    teacher_scale: float = 1.0  # teacher: RMS of a task's B_t A_t / RMS of the layer's shared weight
+    teacher_layer: int = 0  # teacher: the linear layer the task's rank-k change is in (0 = first, -1 = head)
     dataset: str = "mnist"  # mnist | digits (offline arrays of envs.datasets) | stdlib_docs (text, arch minilm)
     max_len: int = 32  # stdlib_docs: token ids per example ([CLS]/[SEP] included)
     per_class: int = 400  # stdlib_docs: paragraphs per family (its balance cap; fewer = faster evaluation)
@@ -58,6 +64,36 @@ def check_params(p: LoraMetaParams, cfg: ExperimentConfig, env: "TaskEnvironment
         raise ConfigError(f"client.params.dataset must be one of {', '.join(DATASET_NAMES)}, got {p.dataset!r}")
     if p.arch not in ARCHS:
         raise ConfigError(f"client.params.arch must be one of {', '.join(ARCHS)}, got {p.arch!r}")
+    if p.tasks not in TASK_FAMILIES:
+        raise ConfigError(f"client.params.tasks must be one of {', '.join(TASK_FAMILIES)}, got {p.tasks!r}")
+    if p.tasks == "teacher":
+        _check_teacher(p, cfg)
+    elif p.method == "oracle":
+        raise ConfigError("client.params.method=oracle needs client.params.tasks=teacher (the teacher's base)")
+    else:
+        _check_pairs(p, cfg, env)
+    _check_common(p, cfg, env)
+
+
+def _check_teacher(p: LoraMetaParams, cfg: ExperimentConfig) -> None:
+    """The teacher family: MNIST features into an MLP, T >= 1 tasks, the teacher's knobs."""
+    if p.dataset != "mnist" or p.arch != "mlp":
+        raise ConfigError(f"client.params.tasks=teacher needs dataset=mnist and arch=mlp (PCA features in, "
+                          f"the teacher's own architecture), got dataset={p.dataset}, arch={p.arch}")
+    if p.num_tasks < 1 or not 1 <= p.features <= 784 or p.teacher_scale < 0:
+        raise ConfigError(f"client.params.num_tasks must be >= 1, features in [1, 784] and teacher_scale >= 0, "
+                          f"got {p.num_tasks}, {p.features}, {p.teacher_scale}")
+    layers = len(p.hidden) + 1
+    if not -layers <= p.teacher_layer < layers:
+        raise ConfigError(f"client.params.teacher_layer must index one of the {layers} linear layers "
+                          f"(0 = first, -1 = head), got {p.teacher_layer}")
+    if cfg.num_clients > p.num_tasks:
+        raise ConfigError(f"num_clients={cfg.num_clients} but only {p.num_tasks} retraining tasks; "
+                          f"use num_clients=1 (centralised) up to {p.num_tasks} (client = task)")
+
+
+def _check_pairs(p: LoraMetaParams, cfg: ExperimentConfig, env: "TaskEnvironment") -> None:
+    """The label-pair family: dataset / arch fit, valid and unseen pairs."""
     if env.is_text != (p.arch == "minilm"):
         raise ConfigError(f"client.params.arch={p.arch} does not fit dataset={p.dataset}: use arch minilm "
                           f"with a text dataset ({', '.join(TEXT_DATASETS)}) and mlp/mixer with images")
@@ -78,6 +114,10 @@ def check_params(p: LoraMetaParams, cfg: ExperimentConfig, env: "TaskEnvironment
     if cfg.num_clients > len(p.train_pairs):
         raise ConfigError(f"num_clients={cfg.num_clients} but only {len(p.train_pairs)} retraining tasks; "
                           f"use num_clients=1 (centralised) up to {len(p.train_pairs)} (client = task)")
+
+
+def _check_common(p: LoraMetaParams, cfg: ExperimentConfig, env: "TaskEnvironment") -> None:
+    """Settings every task family shares: optimisation budgets, model sizes, shots."""
     if p.rank < 1 or p.local_steps < 1 or p.batch_size < 1 or p.ft_steps < 0 or p.ft_repeats < 1:
         raise ConfigError("client.params.rank, local_steps, batch_size, ft_repeats must be >= 1 and ft_steps >= 0")
     if min(p.lr, p.reptile_inner_lr, p.reptile_lr, p.ft_lr) <= 0 or p.weight_decay < 0:

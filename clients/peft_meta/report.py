@@ -52,7 +52,8 @@ def figure(rounds: list[Any], params: LoraMetaParams, cfg: ExperimentConfig) -> 
     ax1.plot(x, [r.metrics["eval/train_tasks_acc"] for r in rounds], ls=":", label="base alone, retraining tasks")
     ax1.set_xlabel("round")
     ax1.set_ylabel("test accuracy")
-    ax1.set_title(f"{p.method}: new task {p.new_pair[0]}v{p.new_pair[1]}, {p.shots} shots, {p.ft_steps} steps")
+    task = "teacher task T" if p.tasks == "teacher" else f"{p.new_pair[0]}v{p.new_pair[1]}"
+    ax1.set_title(f"{p.method}: new task {task}, {p.shots} shots, {p.ft_steps} steps")
     ax1.legend()
     ax1.grid(alpha=0.3)
     pts = sorted(p.curve_points)
