@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -323,10 +324,12 @@ def cmd_run_central(args: argparse.Namespace) -> int:
     federated_only = {"--rounds": args.rounds, "--clients": args.clients, "--engine": args.engine,
                       "--eps": args.eps, "--resume": args.resume}
     given = [flag for flag, value in federated_only.items() if value is not None]
-    if given:
-        raise C.ConfigError(f"{' '.join(given)} applies to federated experiments; {args.experiment!r} is a "
-                            f"centralised method: set its params instead (e.g. params.steps=100)")
     cfg = C.load_central_config(args.experiment, args.overrides, args.seed)
+    if given:
+        knobs = [f"params.{k}" for k in cfg.params if re.search(r"steps|epochs|iters|rounds", str(k))][:3]
+        hint = f" (its length: {', '.join(knobs)})" if knobs else ""
+        raise C.ConfigError(f"{' '.join(given)} applies to federated experiments; {args.experiment!r} is a "
+                            f"centralised method: set its params instead{hint}")
     if args.no_tracking:
         cfg.tracking.enabled = False
     method_params(cfg)

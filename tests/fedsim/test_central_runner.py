@@ -58,7 +58,8 @@ def test_cli_runs_a_central_experiment_and_rejects_federated_flags(echo_yaml, tr
     assert main(["run", str(echo_yaml), "params.steps=2", "--tracking-uri", tracking_uri]) == 0
     assert "final_value" in capsys.readouterr().out
     assert main(["run", str(echo_yaml), "--rounds", "3", "--no-tracking"]) == 2
-    assert "applies to federated experiments" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "applies to federated experiments" in err and "(its length: params.steps)" in err  # a real knob
     assert main(["run", str(echo_yaml), "params.stpes=2", "--no-tracking"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "stpes" in err[0]
