@@ -12,6 +12,10 @@ The optional sections of ``experiments/reproduce/<name>.yaml`` (see :mod:`fedsim
       - at: {params.num_tasks: 3}           # two metrics of one configuration (a centralised run that
         better_metric: adapt/acc/lora_ml    # evaluates every method itself): better/worse may then be
         worse_metric: adapt/acc/retrain     # empty, and both sides may pick the same configuration
+      - at: {params.num_tasks: 3}           # one configuration against a constant (a theory's value):
+        metric: recovery/sym_err            # the interval is then a one-sample interval on the mean
+        worse_value: 1.0e-3                 # of (value_i - constant); ``worse`` stays empty
+        higher_is_better: false
     controls:
       positive:                             # comparisons whose outcome is known; one failing -> invalid
         - {better: {strategy.name: ffa_lora}, worse: {strategy.name: fedavg_lora}, at: {eps: 1}}
@@ -56,6 +60,7 @@ class Comparison:
     metric: Optional[str] = None  # default: the spec's metric
     better_metric: Optional[str] = None  # the better side's metric (default: ``metric``)
     worse_metric: Optional[str] = None  # the worse side's metric (default: ``metric``)
+    worse_value: Optional[float] = None  # the worse side is this constant (a theory's value), not a run
     margin: float = 0.0
     kind: str = V.SUPERIORITY  # superiority | equivalence
     higher_is_better: bool = True
@@ -69,6 +74,10 @@ class Comparison:
     @property
     def two_metrics(self) -> bool:
         return bool(self.better_metric or self.worse_metric)
+
+    @property
+    def against_constant(self) -> bool:
+        return self.worse_value is not None
 
 
 @dataclass
@@ -181,6 +190,13 @@ def validate_protocol(spec: Any, grid: list[dict[str, Any]], path: str) -> None:
 def _check_comparison(comp: Comparison, grid: list[dict[str, Any]], what: str) -> None:
     if comp.kind not in (V.SUPERIORITY, V.EQUIVALENCE):
         raise ConfigError(f"{what}: kind must be {V.SUPERIORITY} or {V.EQUIVALENCE}, got {comp.kind!r}")
+    if comp.against_constant:
+        if comp.worse or comp.worse_metric:
+            raise ConfigError(f"{what}: with worse_value the worse side is that constant; drop `worse` / worse_metric")
+        if not math.isfinite(comp.worse_value):
+            raise ConfigError(f"{what}: worse_value must be a finite number, got {comp.worse_value}")
+        pick(grid, {**comp.at, **comp.better}, f"{what} `better`")
+        return
     if not comp.two_metrics and (not comp.better or not comp.worse):
         raise ConfigError(f"{what}: needs both `better` and `worse` (grid keys -> values)")
     if comp.kind == V.EQUIVALENCE and comp.margin <= 0:
@@ -239,6 +255,13 @@ def comparison_text(comp: Comparison, metric: str) -> str:
     from fedsim.reproduce import label_of
 
     a, b = label_of(comp.better), label_of(comp.worse)
+    if comp.against_constant:
+        where = ", ".join(x for x in (label_of(comp.better), label_of(comp.at)) if x)
+        where = f" at {where}" if where else ""
+        if comp.kind == V.EQUIVALENCE:
+            return f"|{metric} − {comp.worse_value:g}| < {comp.margin:g}{where}"
+        op = ">" if comp.higher_is_better else "<"
+        return f"{metric} {op} {comp.worse_value:g}" + (f" by {comp.margin:g}" if comp.margin else "") + where
     if comp.two_metrics:  # metric is "better_metric − worse_metric" then
         mb, mw = metric.split(" − ")
         a, b = (f"{a} {mb}" if a else mb), (f"{b} {mw}" if b else mw)
@@ -289,12 +312,15 @@ def _evaluate(spec: Any, comp: Comparison, grid_results: list[Any], what: str, c
               role: str, control: str) -> VerdictRow:
     grid = [r.setting for r in grid_results]
     better_metric, worse_metric = comp.metrics(spec.metric)
-    metric = f"{better_metric} − {worse_metric}" if comp.two_metrics else better_metric
+    metric = f"{better_metric} − {worse_metric}" if comp.two_metrics and not comp.against_constant else better_metric
     better = grid_results[pick(grid, {**comp.at, **comp.better}, what)]
-    worse = grid_results[pick(grid, {**comp.at, **comp.worse}, what)]
-    _, d = V.paired_differences(per_seed(better, better_metric, spec.metric),
-                                per_seed(worse, worse_metric, spec.metric),
-                                higher_is_better=comp.higher_is_better, what=what)
+    better_values = per_seed(better, better_metric, spec.metric)
+    if comp.against_constant:
+        worse_values = {seed: float(comp.worse_value) for seed in better_values}
+    else:
+        worse = grid_results[pick(grid, {**comp.at, **comp.worse}, what)]
+        worse_values = per_seed(worse, worse_metric, spec.metric)
+    _, d = V.paired_differences(better_values, worse_values, higher_is_better=comp.higher_is_better, what=what)
     verdict = V.decide(d, comp.margin, kind=comp.kind, confidence=spec.confidence, method=spec.interval,
                        seed=0, controls_passed=controls_passed)
     return VerdictRow(role, comparison_text(comp, metric), metric, verdict, control)

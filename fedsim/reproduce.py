@@ -81,7 +81,8 @@ class ClaimSpec:
     def tracked_metrics(self) -> list[str]:
         """Final values kept per seed: the extra columns and every claim/control metric."""
         comparisons = [*self.claim, *self.controls.positive]
-        wanted = [*self.extra_metrics, *(m for c in comparisons for m in c.metrics(self.metric))]
+        wanted = [*self.extra_metrics, *(m for c in comparisons
+                                         for m in c.metrics(self.metric)[:1 if c.against_constant else 2])]
         return [m for m in dict.fromkeys(wanted) if m != self.metric]
 
 

@@ -190,6 +190,10 @@ def test_method_end_to_end_is_seeded_and_reports_every_claim() -> None:
         assert key in m, key
     assert m["noise_floor"] == pytest.approx(4 * 0.01 ** 2)
     assert m["adapt/excess/lora_ml"] < m["adapt/excess/retrain"]
+    # the control: fine-tuning from the true base A* ends nearest the floor, and is in the table
+    assert 1.0 <= m["adapt/test_over_floor/truth"] < m["adapt/test_over_floor/retrain"]
+    truth = next(r for r in a.tables["adaptation"] if r["method"] == "truth (A*)")
+    assert truth["test_over_floor"] == pytest.approx(m["adapt/test_over_floor/truth"]) and truth["base_rel_err"] == 0
     assert set(a.tables) == {"adaptation", "scaling", "recovery"}
     assert [r["T"] for r in a.tables["recovery"]] == [2, 3] and a.tables["recovery"][0]["adapter_rank"] == 3
     assert 0.0 <= m["claims/held_frac"] <= 1.0

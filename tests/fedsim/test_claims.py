@@ -128,6 +128,9 @@ def _spec_file(tmp_path: Path, text: str) -> str:
     ("claim: {at: {strategy.name: fedprox, client.local_epochs: 1}, better_metric: eval/loss,"
      " worse_metric: eval/loss}", "pick the same configuration and the same metric"),
     ("claim: {better_metric: eval/loss, worse_metric: eval/accuracy}", "matches 6 configurations"),
+    ("claim: {better: {strategy.name: fedprox, client.local_epochs: 1}, worse: {strategy.name: fedavg},"
+     " worse_value: 0.5}", "drop `worse`"),
+    ("claim: {better: {strategy.name: fedprox, client.local_epochs: 1}, worse_value: .nan}", "finite number"),
     ("tune: {grid: {client.lr: [0.1]}, metric: eval/accuracy}", "must be a validation metric"),
     ("tune: {grid: {client.local_epochs: [1]}}", "is a claim grid key"),
     ("controls: {floor: {value: 0.1}}", "needs its source"),
@@ -278,6 +281,32 @@ def test_a_claim_may_compare_two_metrics_of_one_configuration(tmp_path) -> None:
     assert rows[0].verdict.interval.mean == pytest.approx(expected)
     assert rows[0].metric == "val/accuracy − eval/accuracy"
     assert rows[0].text == "val/accuracy > eval/accuracy by 0 at strategy=fedprox, local_epochs=2"
+
+
+def test_a_claim_may_compare_one_configuration_with_a_constant(tmp_path) -> None:
+    """A theory's value (an error floor, a slope of 1) is the worse side: the interval is then the
+    one-sample interval on the mean of value_i - constant."""
+    from fedsim.reproduce import load_claim, run_claim, verdicts_or_error
+
+    protocol = ("claim:\n"
+                "  - {better: {strategy.name: fedprox, client.local_epochs: 1}, worse_value: 0.5, margin: 0.01}\n"
+                "  - {kind: equivalence, better: {strategy.name: fedavg, client.local_epochs: 1}, worse_value: 0.5,"
+                " margin: 0.05, metric: val/accuracy, name: val near 0.5}\n")
+    spec = load_claim(_spec_file(tmp_path, BASE + protocol), seeds=3, extra_overrides=["tracking.enabled=false"])
+    calls: list[tuple[str, float]] = []
+    results, _ = run_claim("c", spec, run_one=fake_runner(calls))
+    rows, error = verdicts_or_error(spec, results)
+    assert error is None and len(rows) == 2
+    lr = {lr for _, lr in calls}.pop()
+    test = [BASE_ACC["fedprox"] + (0.05 if lr == 0.5 else 0.0) + n + 0.001 for n in NOISE]
+    d = np.asarray(test) - 0.5
+    half = stats.t.ppf(0.975, len(d) - 1) * d.std(ddof=1) / math.sqrt(len(d))
+    iv = rows[0].verdict.interval
+    assert iv.mean == pytest.approx(d.mean()) and iv.lo == pytest.approx(d.mean() - half)
+    assert rows[0].verdict.verdict == ("holds" if d.mean() - half > 0.01 else "undecided")
+    assert rows[0].text == "eval/accuracy > 0.5 by 0.01 at strategy=fedprox, local_epochs=1"
+    val = [BASE_ACC["fedavg"] + (0.05 if lr == 0.1 else 0.0) + n for n in NOISE]
+    assert rows[1].verdict.interval.mean == pytest.approx(np.mean(val) - 0.5) and rows[1].metric == "val/accuracy"
 
 
 def _artifact(client, run_id: str, name: str) -> str:
