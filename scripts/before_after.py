@@ -90,7 +90,7 @@ def run(tree: Path, name: str, store: Path, timeout: float) -> Side:
 
 
 #: metrics that measure time, not results: listed, never compared
-TIMING = re.compile(r"seconds|wall|(^|[/_])time($|[/_])|latency|throughput|per_s(ec)?($|[/_])|speed_?up|_ms($|/)")
+TIMING = re.compile(r"seconds|wall|(^|[/_])time($|[/_])|latency|throughput|per_s(ec(ond)?)?($|[/_])|speed_?up|_ms($|/)")
 
 
 def results_only(metrics: dict[str, float]) -> dict[str, float]:
@@ -135,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     before_tree, after_tree = worktree(args.before), (worktree(args.after) if args.after else ROOT)
     work = Path(tempfile.mkdtemp(prefix="fedsim-before-after-"))
-    lines = [f"Before: `{args.before}`; after: `{args.after or 'working tree'}`.", "",
+    lines = [f"Before: `{before_tree.name.removeprefix('fedsim-before-')}`; after: "
+             f"`{after_tree.name.removeprefix('fedsim-before-') if args.after else 'working tree'}`.", "",
              "| experiment | s before | s after | metrics | identical | max rel. diff | largest differences |",
              "|---|---|---|---|---|---|---|"]
     out = Path(args.out)
