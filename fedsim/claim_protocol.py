@@ -66,18 +66,21 @@ class Comparison:
     higher_is_better: bool = True
     name: str = ""  # shown instead of the built text
 
-    def metrics(self, spec_metric: str) -> tuple[str, str]:
-        """The (better side's, worse side's) metric."""
+    def metrics(self, spec_metric: str) -> tuple[str, ...]:
+        """The metrics the comparison reads: (better side's, worse side's), or (better side's,)
+        against a constant."""
         default = self.metric or spec_metric
-        return self.better_metric or default, self.worse_metric or default
-
-    @property
-    def two_metrics(self) -> bool:
-        return bool(self.better_metric or self.worse_metric)
+        better = self.better_metric or default
+        return (better,) if self.against_constant else (better, self.worse_metric or default)
 
     @property
     def against_constant(self) -> bool:
         return self.worse_value is not None
+
+    @property
+    def two_metrics(self) -> bool:
+        """Two metrics of runs (of one configuration or two), not one metric or a constant."""
+        return bool(self.better_metric or self.worse_metric) and not self.against_constant
 
 
 @dataclass
@@ -248,32 +251,29 @@ def _check_tune(tune: TuneSpec, spec: Any, grid: list[dict[str, Any]], what: str
 
 
 # -- verdicts -----------------------------------------------------------------------------------
-def comparison_text(comp: Comparison, metric: str) -> str:
-    """``a > b by m on metric at k=v`` (or ``|a − b| < m ...``), unless the spec names it."""
+def comparison_text(comp: Comparison, spec_metric: str) -> str:
+    """``a > b by m on metric at k=v`` (or ``|a − b| < m ...``), unless the spec names it.
+
+    Two metrics put each side's metric beside its side; a constant is the worse side, the better
+    side's configuration joins ``at`` and a zero margin is left out.
+    """
     if comp.name:
         return comp.name
     from fedsim.reproduce import label_of
 
-    a, b = label_of(comp.better), label_of(comp.worse)
+    metrics = comp.metrics(spec_metric)
+    a, b, on, where_parts = label_of(comp.better), label_of(comp.worse), f" on {metrics[0]}", [label_of(comp.at)]
+    by = f" by {comp.margin:g}"
     if comp.against_constant:
-        where = ", ".join(x for x in (label_of(comp.better), label_of(comp.at)) if x)
-        where = f" at {where}" if where else ""
-        if comp.kind == V.EQUIVALENCE:
-            return f"|{metric} − {comp.worse_value:g}| < {comp.margin:g}{where}"
-        op = ">" if comp.higher_is_better else "<"
-        return f"{metric} {op} {comp.worse_value:g}" + (f" by {comp.margin:g}" if comp.margin else "") + where
-    if comp.two_metrics:  # metric is "better_metric − worse_metric" then
-        mb, mw = metric.split(" − ")
-        a, b = (f"{a} {mb}" if a else mb), (f"{b} {mw}" if b else mw)
-        where = f" at {label_of(comp.at)}" if comp.at else ""
-        if comp.kind == V.EQUIVALENCE:
-            return f"|{a} − {b}| < {comp.margin:g}{where}"
-        return f"{a} {'>' if comp.higher_is_better else '<'} {b} by {comp.margin:g}{where}"
-    where = f" at {label_of(comp.at)}" if comp.at else ""
+        a, b, on, where_parts = metrics[0], f"{comp.worse_value:g}", "", [label_of(comp.better), *where_parts]
+        by = by if comp.margin else ""
+    elif comp.two_metrics:
+        a, b, on = (" ".join(x for x in (a, metrics[0]) if x), " ".join(x for x in (b, metrics[1]) if x), "")
+    where = ", ".join(x for x in where_parts if x)
+    where = f" at {where}" if where else ""
     if comp.kind == V.EQUIVALENCE:
-        return f"|{a} − {b}| < {comp.margin:g} on {metric}{where}"
-    op = ">" if comp.higher_is_better else "<"
-    return f"{a} {op} {b} by {comp.margin:g} on {metric}{where}"
+        return f"|{a} − {b}| < {comp.margin:g}{on}{where}"
+    return f"{a} {'>' if comp.higher_is_better else '<'} {b}{by}{on}{where}"
 
 
 def per_seed(result: Any, metric: str, spec_metric: str) -> dict[int, float]:
@@ -311,19 +311,19 @@ class VerdictRow:
 def _evaluate(spec: Any, comp: Comparison, grid_results: list[Any], what: str, controls_passed: bool,
               role: str, control: str) -> VerdictRow:
     grid = [r.setting for r in grid_results]
-    better_metric, worse_metric = comp.metrics(spec.metric)
-    metric = f"{better_metric} − {worse_metric}" if comp.two_metrics and not comp.against_constant else better_metric
+    metrics = comp.metrics(spec.metric)
+    metric = " − ".join(metrics) if comp.two_metrics else metrics[0]
     better = grid_results[pick(grid, {**comp.at, **comp.better}, what)]
-    better_values = per_seed(better, better_metric, spec.metric)
+    better_values = per_seed(better, metrics[0], spec.metric)
     if comp.against_constant:
         worse_values = {seed: float(comp.worse_value) for seed in better_values}
     else:
         worse = grid_results[pick(grid, {**comp.at, **comp.worse}, what)]
-        worse_values = per_seed(worse, worse_metric, spec.metric)
+        worse_values = per_seed(worse, metrics[1], spec.metric)
     _, d = V.paired_differences(better_values, worse_values, higher_is_better=comp.higher_is_better, what=what)
     verdict = V.decide(d, comp.margin, kind=comp.kind, confidence=spec.confidence, method=spec.interval,
                        seed=0, controls_passed=controls_passed)
-    return VerdictRow(role, comparison_text(comp, metric), metric, verdict, control)
+    return VerdictRow(role, comparison_text(comp, spec.metric), metric, verdict, control)
 
 
 def verdict_rows(spec: Any, results: list[Any]) -> list[VerdictRow]:

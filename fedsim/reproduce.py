@@ -81,8 +81,7 @@ class ClaimSpec:
     def tracked_metrics(self) -> list[str]:
         """Final values kept per seed: the extra columns and every claim/control metric."""
         comparisons = [*self.claim, *self.controls.positive]
-        wanted = [*self.extra_metrics, *(m for c in comparisons
-                                         for m in c.metrics(self.metric)[:1 if c.against_constant else 2])]
+        wanted = [*self.extra_metrics, *(m for c in comparisons for m in c.metrics(self.metric))]
         return [m for m in dict.fromkeys(wanted) if m != self.metric]
 
 

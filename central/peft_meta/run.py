@@ -171,30 +171,33 @@ def adapter_rank(p: PeftMetaLinearParams, num_tasks: int) -> int:
     return p.rank * (3 if num_tasks == 2 else 1)
 
 
+def _adaptation_row(label: str, runs: list[L.Adapted], p: PeftMetaLinearParams, prob: Problem,
+                    base_rel_err: float) -> dict[str, Any]:
+    """One row of the adaptation table: a fresh LoRA's excess and test loss / floor from one base."""
+    ex = [r.final_excess for r in runs]
+    return {"method": label, "T": p.num_tasks, "n_prime": p.n_prime, "excess_before": runs[0].curve[0][1],
+            "excess_mean": float(np.mean(ex)), "excess_std": float(np.std(ex)),
+            "test_loss": float(np.mean(ex)) + prob.floor, "noise_floor": prob.floor,
+            "test_over_floor": (float(np.mean(ex)) + prob.floor) / prob.floor, "base_rel_err": base_rel_err}
+
+
 def adaptation(ctx: CentralContext, prob: Problem) -> tuple[dict[str, float], dict[str, list[L.Adapted]]]:
     p = ctx.params
     metrics: dict[str, float] = {}
     runs: dict[str, list[L.Adapted]] = {}
     rows = []
+    rank = adapter_rank(p, p.num_tasks)
     for m in p.methods:
-        runs[m] = prob.adapt(prob.base(m, p.num_tasks).a, p.n_prime, adapter_rank(p, p.num_tasks))
-        ex = [r.final_excess for r in runs[m]]
-        before = runs[m][0].curve[0][1]
-        metrics[f"adapt/excess/{m}"] = float(np.mean(ex))
-        metrics[f"adapt/test_over_floor/{m}"] = (float(np.mean(ex)) + prob.floor) / prob.floor
-        metrics[f"base/rel_err/{m}"] = L.relative_error(prob.base(m, p.num_tasks).a, prob.truth.a_star)
-        rows.append({"method": m, "T": p.num_tasks, "n_prime": p.n_prime, "excess_before": before,
-                     "excess_mean": float(np.mean(ex)),
-                     "excess_std": float(np.std(ex)), "test_loss": float(np.mean(ex)) + prob.floor,
-                     "noise_floor": prob.floor, "test_over_floor": metrics[f"adapt/test_over_floor/{m}"],
-                     "base_rel_err": metrics[f"base/rel_err/{m}"]})
+        runs[m] = prob.adapt(prob.base(m, p.num_tasks).a, p.n_prime, rank)
+        row = _adaptation_row(m, runs[m], p, prob, L.relative_error(prob.base(m, p.num_tasks).a, prob.truth.a_star))
+        metrics[f"adapt/excess/{m}"] = row["excess_mean"]
+        metrics[f"adapt/test_over_floor/{m}"] = row["test_over_floor"]
+        metrics[f"base/rel_err/{m}"] = row["base_rel_err"]
+        rows.append(row)
     # the positive control: the same fine-tuning from the true base A* must reach the noise floor
-    truth = prob.adapt(prob.truth.a_star, p.n_prime, adapter_rank(p, p.num_tasks))
-    metrics["adapt/test_over_floor/truth"] = (_mean_excess(truth) + prob.floor) / prob.floor
-    rows.append({"method": "truth (A*)", "T": p.num_tasks, "n_prime": p.n_prime, "excess_before": truth[0].curve[0][1],
-                 "excess_mean": _mean_excess(truth), "excess_std": float(np.std([r.final_excess for r in truth])),
-                 "test_loss": _mean_excess(truth) + prob.floor, "noise_floor": prob.floor,
-                 "test_over_floor": metrics["adapt/test_over_floor/truth"], "base_rel_err": 0.0})
+    truth = _adaptation_row("truth (A*)", prob.adapt(prob.truth.a_star, p.n_prime, rank), p, prob, 0.0)
+    metrics["adapt/test_over_floor/truth"] = truth["test_over_floor"]
+    rows.append(truth)
     ctx.log_table(rows, "adaptation")
     return metrics, runs
 

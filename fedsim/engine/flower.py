@@ -172,7 +172,7 @@ def simulate(server: Any, client_app: Any, num_nodes: int, config: dict[str, Any
     started = _init_ray(config)
     watchdog.start()
     try:
-        with _ray_session_kept(not started):
+        with contextlib.nullcontext() if started else _ray_session_kept():
             run_simulation(server_app=server, client_app=client_app, num_supernodes=num_nodes,
                            backend_config=config, verbose_logging=verbose)
     except KeyboardInterrupt:
@@ -187,16 +187,13 @@ def simulate(server: Any, client_app: Any, num_nodes: int, config: dict[str, Any
 
 
 @contextlib.contextmanager
-def _ray_session_kept(keep: bool) -> Iterator[None]:
-    """While ``keep``, Flower's Ray backend ends its own actors but not the Ray session.
+def _ray_session_kept() -> Iterator[None]:
+    """Within the block, Flower's Ray backend ends its own actors but not the Ray session.
 
     Flower's ``RayBackend.terminate`` calls ``ray.shutdown()``, which would end a session the user
     (or a caller such as a sweep) started before the run.  Flower looks the class up in its module
     each time it builds a backend, so the subclass is swapped in for the block only.
     """
-    if not keep:
-        yield
-        return
     import ray
     from flwr.server.superlink.fleet.vce.backend import raybackend
 
