@@ -229,7 +229,7 @@ class Untrained(TrainingMethod):
 
 class Oracle(Untrained):
     """The teacher family's ceiling: the base *is* the teacher's shared base (never retrained), so a
-    rank-k LoRA on its first layer can represent the new task exactly."""
+    rank-k LoRA on the layer the tasks change (``teacher_layer``) can represent the new task exactly."""
 
     name = "oracle"
 
@@ -240,8 +240,8 @@ class Oracle(Untrained):
 
 
 #: The methods by ``client.params.method`` (the order of :data:`clients.peft_meta.params.METHODS`).
-TRAINING_METHODS: dict[str, type[TrainingMethod]] = {m.name: m for m in (LoraML, Retrain, Reptile,
-                                                                                   Untrained, Oracle)}
+TRAINING_METHODS: dict[str, type[TrainingMethod]] = {
+    m.name: m for m in (LoraML, Retrain, Reptile, Untrained, Oracle)}
 
 
 def build_method(env: TaskEnvironment) -> TrainingMethod:
