@@ -52,6 +52,16 @@ def _install(handler: Any) -> dict[int, Any]:
     return previous
 
 
+def _install_sigint(handler: Any) -> dict[int, Any]:
+    """Set ``handler`` for Ctrl-C where Python's default (raise KeyboardInterrupt) is in force."""
+    try:
+        if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+            return {}  # ignored, or a caller's own handler: leave it
+        return {signal.SIGINT: signal.signal(signal.SIGINT, handler)}
+    except ValueError:  # not the main thread
+        return {}
+
+
 def _restore(previous: dict[int, Any]) -> None:
     for sig, handler in previous.items():
         signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
@@ -105,6 +115,43 @@ def end_interrupted(code: int) -> None:
     os._exit(code)
 
 
+#: The interrupt (a :class:`Terminated` or a plain KeyboardInterrupt) that arrived on the main thread
+#: inside :func:`interrupts_deferred` and is raised when the outermost such block ends.
+_pending: list[BaseException] = []
+_defer_depth = 0
+
+
+@contextlib.contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """Hold back Ctrl-C, SIGTERM and SIGHUP until the block ends (main thread, inside :func:`tracked_run`).
+
+    For tracking-store writes: an interrupt raised in the middle of one (between SQLAlchemy's
+    statement and its commit, or in a pool weakref callback where the interpreter swallows it) can
+    leave an sqlite transaction open, and the run's own KILLED update then fails with "database is
+    locked" after MLflow's 20 s busy timeout: the run stayed RUNNING (1 of 5 SIGTERMs in a stress
+    loop).  Elsewhere (other threads, outside a tracked run) the block changes nothing.
+    """
+    global _defer_depth
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _defer_depth += 1
+    try:
+        yield
+    finally:
+        _defer_depth -= 1
+    if _defer_depth == 0 and _pending:
+        raise _pending.pop()
+
+
+def _interrupt(exc: BaseException) -> None:
+    """Raise ``exc`` now, or when the enclosing :func:`interrupts_deferred` block ends."""
+    if _defer_depth > 0:
+        _pending[:] = [exc]
+        return
+    raise exc
+
+
 #: Set by the SIGTERM/SIGHUP handler.  The handler also raises, but a signal that lands inside a
 #: weakref callback or ``__del__`` has its exception swallowed by the interpreter ("Exception ignored
 #: in ..."), so the round loop (:func:`raise_if_terminated`) and the block's end check this flag too.
@@ -149,9 +196,13 @@ def tracked_run(recorder: FinishableRun | None, on_end: Callable[[str], None] | 
     """
     def on_term(signum: int, frame: Any) -> None:
         _terminated.set()
-        raise Terminated()
+        _interrupt(Terminated())
+
+    def on_int(signum: int, frame: Any) -> None:
+        _interrupt(KeyboardInterrupt())
 
     previous = _install(on_term)
+    previous.update(_install_sigint(on_int))
     status = "FAILED"
     with swallowed_terminations_quiet():
         try:
@@ -161,6 +212,7 @@ def tracked_run(recorder: FinishableRun | None, on_end: Callable[[str], None] | 
         except (KeyboardInterrupt, Terminated):
             status = "KILLED"
             _terminated.clear()
+            _pending.clear()
             raise KeyboardInterrupt() from None
         finally:
             try:
@@ -170,3 +222,4 @@ def tracked_run(recorder: FinishableRun | None, on_end: Callable[[str], None] | 
                     on_end(status)
             finally:
                 _restore(previous)
+                _pending.clear()

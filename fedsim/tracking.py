@@ -11,6 +11,7 @@ temporary artifact folder is removed when its run ends, whatever the status.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from fedsim.contracts.history import RoundRecord
+from fedsim.run_lifecycle import interrupts_deferred
 
 MAX_PARAM_LEN = 500
 _LOCAL_SCHEMES = ("", "sqlite", "file")
@@ -97,7 +99,33 @@ def mlflow_client(uri: str) -> Any:
     from fedsim.store import prepare_store
 
     prepare_store(uri)
-    return MlflowClient(tracking_uri=uri)
+    return InterruptSafeClient(MlflowClient(tracking_uri=uri))
+
+
+class InterruptSafeClient:
+    """An ``MlflowClient`` whose calls finish before a Ctrl-C or SIGTERM is raised.
+
+    Each call runs under :func:`fedsim.run_lifecycle.interrupts_deferred`, so an interrupt never
+    lands between a store write and its commit (which left the sqlite store locked and the run
+    RUNNING); the interrupt is raised as soon as the call returns.
+    """
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_client":  # not set yet (e.g. while unpickling): no recursion
+            raise AttributeError(name)
+        attr = getattr(self._client, name)
+        if not callable(attr):
+            return attr
+
+        @functools.wraps(attr)
+        def deferred(*args: Any, **kwargs: Any) -> Any:
+            with interrupts_deferred():
+                return attr(*args, **kwargs)
+
+        return deferred
 
 
 def git_commit() -> str:

@@ -116,3 +116,59 @@ def test_a_swallowed_termination_prints_no_traceback_but_other_errors_still_reac
         assert seen == [ValueError, Terminated]
     finally:
         sys.unraisablehook = outer
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_an_interrupt_inside_a_deferred_block_is_raised_when_the_block_ends(sig: int) -> None:
+    from fedsim.run_lifecycle import interrupts_deferred
+
+    rec, steps = Recorder(), []
+    with pytest.raises(KeyboardInterrupt), tracked_run(rec):
+        with interrupts_deferred():
+            os.kill(os.getpid(), sig)
+            time.sleep(0.2)  # the handler runs here, but holds the interrupt back
+            steps.append("the write finished")
+        steps.append("ran on after the block")
+    assert steps == ["the write finished"] and rec.statuses == ["KILLED"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_an_interrupt_in_the_middle_of_a_store_write_still_ends_the_run_killed(tmp_path) -> None:
+    """Ctrl-C landing while sqlite inserts a metric batch (its ``executemany`` checks for signals between
+    rows) left the store locked, so the run's KILLED update failed with "database is locked" after
+    MLflow's 20 s busy timeout and the run stayed RUNNING (seen in CI)."""
+    from mlflow import MlflowClient
+    from sqlalchemy import event
+
+    from fedsim.tracking import MlflowRecorder
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    rec = MlflowRecorder(uri, "x", "r", {})
+    engine = rec.client._tracking_client.store.engine
+    batches = {"n": 0}
+
+    def interrupt_the_second_batch_after_its_first_row(cursor, statement, parameters, context) -> bool:
+        batches["n"] += 1
+        if batches["n"] != 2:
+            return False  # sqlite runs this batch itself
+
+        def rows():
+            for i, row in enumerate(parameters):
+                if i == 1:
+                    os.kill(os.getpid(), signal.SIGINT)  # handled inside executemany, as a real Ctrl-C is
+                yield row
+
+        cursor.executemany(statement, rows())
+        return True
+
+    event.listen(engine, "do_executemany", interrupt_the_second_batch_after_its_first_row)
+    try:
+        with pytest.raises(KeyboardInterrupt), tracked_run(rec):
+            for step in range(5):
+                rec.log_metrics({f"m{i}": float(step) for i in range(20)}, step)
+    finally:
+        event.remove(engine, "do_executemany", interrupt_the_second_batch_after_its_first_row)
+    run = MlflowClient(tracking_uri=uri).get_run(rec.run_id)
+    assert batches["n"] >= 2 and run.info.status == "KILLED"
+    logged = {len(MlflowClient(tracking_uri=uri).get_metric_history(rec.run_id, f"m{i}")) for i in range(20)}
+    assert logged == {1}  # the interrupted write finished whole, and nothing ran after it
