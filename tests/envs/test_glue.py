@@ -33,7 +33,12 @@ def make_tiny_model(folder: Path, max_positions: int = 40) -> Path:
     config = RobertaConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                            intermediate_size=37, max_position_embeddings=max_positions, pad_token_id=1,
                            bos_token_id=0, eos_token_id=2)
-    RobertaModel(config).save_pretrained(folder)
+    import torch
+
+    with torch.random.fork_rng():  # the same weights whatever ran before in this worker
+        torch.manual_seed(0)
+        model = RobertaModel(config)
+    model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
 

@@ -60,8 +60,9 @@ def test_starts_at_the_pretrained_encoder_and_masks_pads(tiny_model) -> None:
         hidden = ref(input_ids=ids, attention_mask=(ids != 1).long()).last_hidden_state[:, 0]
         expected = model.classifier(hidden)
         torch.testing.assert_close(model(ids), expected)
-        model.lora_layers()["bert.encoder.layer.0.attention.self.query"].lora_B.weight.fill_(0.1)
-        assert not torch.allclose(model(ids), expected)
+        for layer in model.lora_layers().values():  # query and value: a query-only change moves the
+            layer.lora_B.weight.fill_(0.1)          # output of this 0.02-std random encoder by ~1e-6 only
+        assert (model(ids) - expected).abs().max() > 1e-4
 
 
 def test_mean_pooling_and_scale(tiny_model) -> None:
