@@ -49,6 +49,8 @@ class Interval:
         """``mean [lo, hi]`` as the table shows it."""
         if math.isnan(self.lo):
             return f"{self.mean:+.{digits}f} [–]"
+        if self.sd == 0.0:  # a deterministic quantity: every seed gave the same difference
+            return f"{self.mean:+.{digits}f} (exact: the same on all {self.n} seeds)"
         return f"{self.mean:+.{digits}f} [{self.lo:+.{digits}f}, {self.hi:+.{digits}f}]"
 
 

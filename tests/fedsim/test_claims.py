@@ -50,6 +50,13 @@ def test_t_interval_is_the_paired_t_interval() -> None:
     assert (iv.lo, iv.hi) == pytest.approx((lo, hi)) and iv.method == "t" and iv.n == 4
 
 
+def test_a_difference_equal_on_every_seed_is_labelled_exact_not_a_zero_width_interval() -> None:
+    exact = V.mean_interval(np.full(4, 0.25))
+    assert (exact.lo, exact.hi, exact.sd) == (0.25, 0.25, 0.0)
+    assert exact.text() == "+0.2500 (exact: the same on all 4 seeds)"
+    assert V.mean_interval(np.array([0.25, 0.26, 0.24])).text().startswith("+0.2500 [")
+
+
 def test_seeds_estimate_is_the_first_n_whose_t_interval_clears_the_margin() -> None:
     d = np.array([0.03, -0.01, 0.04])
     mean, sd, margin = float(d.mean()), float(d.std(ddof=1)), 0.01
