@@ -293,7 +293,7 @@ class VerdictRow:
     def as_row(self) -> dict[str, str]:
         iv = self.verdict.interval
         return {"kind": self.role, "claim": self.text,
-                "difference": iv.text(),
+                "difference": self.verdict.reason or iv.text(),
                 "interval": f"{iv.confidence:.0%} {'paired t' if iv.method == 't' else 'percentile bootstrap'}, "
                             f"{iv.n} paired seeds",
                 "verdict": self.verdict.verdict, "control": self.control or "–",
@@ -305,7 +305,7 @@ class VerdictRow:
                 "ci_low": iv.lo, "ci_high": iv.hi, "interval": iv.method, "confidence": iv.confidence,
                 "seeds": iv.n, "margin": self.verdict.margin, "claim_kind": self.verdict.kind,
                 "verdict": self.verdict.verdict, "control": self.control,
-                "seeds_to_decide": self.verdict.decide_text()}
+                "seeds_to_decide": self.verdict.decide_text(), "no_data": self.verdict.reason}
 
 
 def _evaluate(spec: Any, comp: Comparison, grid_results: list[Any], what: str, controls_passed: bool,
@@ -320,14 +320,24 @@ def _evaluate(spec: Any, comp: Comparison, grid_results: list[Any], what: str, c
     else:
         worse = grid_results[pick(grid, {**comp.at, **comp.worse}, what)]
         worse_values = per_seed(worse, metrics[1], spec.metric)
-    _, d = V.paired_differences(better_values, worse_values, higher_is_better=comp.higher_is_better, what=what)
+    try:
+        _, d = V.paired_differences(better_values, worse_values, higher_is_better=comp.higher_is_better,
+                                    what=what)
+    except ConfigError as exc:  # a failed run or a never-reached metric: this row only, not the table
+        verdict = V.no_data(str(exc), comp.margin, kind=comp.kind, confidence=spec.confidence,
+                            method=spec.interval)
+        return VerdictRow(role, comparison_text(comp, spec.metric), metric, verdict, control)
     verdict = V.decide(d, comp.margin, kind=comp.kind, confidence=spec.confidence, method=spec.interval,
                        seed=0, controls_passed=controls_passed)
     return VerdictRow(role, comparison_text(comp, spec.metric), metric, verdict, control)
 
 
 def verdict_rows(spec: Any, results: list[Any]) -> list[VerdictRow]:
-    """The controls first (a control passes when it holds), then every claim (``invalid`` if one failed)."""
+    """The controls first (a control passes when it holds), then every claim (``invalid`` if one failed).
+
+    A comparison a seed has no value for gets its own ``no data`` row (a control without data has not
+    passed); the other rows are still decided.
+    """
     grid_results = [r for r in results if not r.role]
     controls = [_evaluate(spec, c, grid_results, f"controls.positive {i + 1}", True, "control", "")
                 for i, c in enumerate(spec.controls.positive)]

@@ -11,6 +11,8 @@ metric per configuration.
   lower bound is above ``m``, ``fails`` if the upper bound is below ``m``, else ``undecided``.
   Equivalence within ``m``: ``holds`` if the interval lies inside ``(-m, m)``, ``fails`` if it lies
   entirely outside it, else ``undecided``. A failed control makes every claim ``invalid``.
+* :func:`no_data` is the verdict of a comparison a seed has no value for (a failed run, a metric a
+  run never reached): ``no data``, with the reason; a control without data cannot pass.
 * :func:`seeds_to_decide` estimates, for an undecided claim, the number of seeds at which the
   t-interval (observed mean and sd taken as true) would clear the margin.
 """
@@ -26,7 +28,7 @@ from scipy import stats
 
 from fedsim.errors import ConfigError
 
-HOLDS, FAILS, UNDECIDED, INVALID = "holds", "fails", "undecided", "invalid"
+HOLDS, FAILS, UNDECIDED, INVALID, NO_DATA = "holds", "fails", "undecided", "invalid", "no data"
 SUPERIORITY, EQUIVALENCE = "superiority", "equivalence"
 INTERVALS = ("t", "bootstrap")
 #: seeds_to_decide searches up to this many seeds; beyond it says "more than".
@@ -64,6 +66,7 @@ class Verdict:
     kind: str
     seeds_needed: int | None = None  # undecided: seeds that would decide it (None: cannot say)
     seeds_more_than: bool = False  # True: "more than seeds_needed" (the mean sits on the margin)
+    reason: str = ""  # no data: why the comparison could not be made
 
     def decide_text(self) -> str:
         """What it would take to decide an undecided claim, in words ("" when decided)."""
@@ -167,3 +170,10 @@ def decide(d: np.ndarray, margin: float, *, kind: str = SUPERIORITY, confidence:
     if not controls_passed:
         verdict = INVALID
     return Verdict(verdict, interval, margin, kind, needed, more)
+
+
+def no_data(reason: str, margin: float, *, kind: str = SUPERIORITY, confidence: float = 0.95,
+            method: str = "t") -> Verdict:
+    """The verdict of a comparison that cannot be made (``reason`` says which seeds lack a value)."""
+    nan = float("nan")
+    return Verdict(NO_DATA, Interval(nan, nan, nan, nan, 0, method, confidence), margin, kind, reason=reason)

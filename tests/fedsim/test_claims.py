@@ -14,7 +14,7 @@ from scipy import stats
 from fedsim import claims as V
 from fedsim.cli import main
 from fedsim.contracts.history import History, RoundRecord
-from fedsim.errors import ConfigError
+from fedsim.errors import ConfigError, RunFailedError
 
 
 # -- the verdict module -------------------------------------------------------------------------
@@ -314,6 +314,41 @@ def test_a_claim_may_compare_one_configuration_with_a_constant(tmp_path) -> None
     assert rows[0].text == "eval/accuracy > 0.5 by 0.01 at strategy=fedprox, local_epochs=1"
     val = [BASE_ACC["fedavg"] + (0.05 if lr == 0.1 else 0.0) + n for n in NOISE]
     assert rows[1].verdict.interval.mean == pytest.approx(np.mean(val) - 0.5) and rows[1].metric == "val/accuracy"
+
+
+@pytest.mark.parametrize("control_on_the_failed_side", [False, True])
+def test_a_seed_without_a_value_gives_its_comparison_a_no_data_row_and_the_others_are_decided(
+        tmp_path, control_on_the_failed_side) -> None:
+    """One failed run (fedprox, seed 2) used to blank the whole verdict table; now only the rows that
+    read it say "no data" (why, in the difference column), and a control without data has not passed."""
+    from fedsim.reproduce import load_claim, protocol_markdown, run_claim, verdicts_or_error
+
+    control = "fedprox" if control_on_the_failed_side else "fedmut"
+    protocol = ("claim:\n"
+                "  - {better: {strategy.name: fedprox}, worse: {strategy.name: fedavg}, at: {client.local_epochs: 1}}\n"
+                "  - {better: {strategy.name: fedmut}, worse: {strategy.name: fedavg}, at: {client.local_epochs: 1}}\n"
+                "controls:\n  positive:\n"
+                f"    - {{better: {{strategy.name: {control}}}, worse: {{strategy.name: fedavg}}, at: {{client.local_epochs: 2}}}}\n")
+    spec = load_claim(_spec_file(tmp_path, BASE + protocol), seeds=3, extra_overrides=["tracking.enabled=false"])
+    inner = fake_runner([])
+
+    def run_one(cfg, **kw):
+        if cfg.strategy.name == "fedprox" and cfg.seed == 2:
+            raise RunFailedError("a client ran out of memory")
+        return inner(cfg, **kw)
+
+    results, _ = run_claim("c", spec, run_one=run_one)
+    rows, error = verdicts_or_error(spec, results)
+    assert error is None and [r.role for r in rows] == ["control", "claim", "claim"]
+    verdicts = [r.verdict.verdict for r in rows]
+    if control_on_the_failed_side:
+        assert verdicts == ["no data", "no data", "invalid"]  # no data says more than invalid
+    else:
+        assert verdicts == ["holds", "no data", "holds"]  # fedmut 0.58 vs fedavg 0.50, the same noise
+    missing = rows[0] if control_on_the_failed_side else rows[1]
+    assert "seeds [2] are on one side only" in missing.as_row()["difference"]
+    assert "seeds [2]" in missing.as_csv()["no_data"]
+    assert "verdicts not computed" not in "\n".join(protocol_markdown(spec, results, []))
 
 
 def _artifact(client, run_id: str, name: str) -> str:
