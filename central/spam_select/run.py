@@ -11,8 +11,9 @@ import numpy as np
 from fedsim.contracts.central import CentralContext
 from central.spam_select import baselines as B
 from central.spam_select import selectors as S
-from central.spam_select.sequence import (PROFILES, Scenario, dyadic_grid, estimation_width, flat_width, make_theta,
-                                          oracle_width, separation_rate, simulate, stat_threshold)
+from central.spam_select.sequence import (PROFILES, Scenario, chi2_bound_rate, dyadic_grid, estimation_width,
+                                          flat_width, make_theta, minimax_rate, oracle_width, recovery_x, simulate,
+                                          stat_threshold, testing_x)
 from fedsim.errors import ConfigError
 from fedsim.registry import CENTRAL
 
@@ -26,8 +27,10 @@ class SpamSelectParams:
     scenarios: list[list[float]] = field(default_factory=lambda: [
         [1000, 400, 10, 1.0], [8000, 400, 10, 1.0], [1000, 1600, 10, 1.0], [1000, 400, 10, 2.0]])
     selectors: list[str] = field(default_factory=lambda: list(SELECTORS))
-    # signal ‖θ_j‖ of each active variable, in units of the scenario's predicted support-recovery rate
-    signals: list[float] = field(default_factory=lambda: [0.5, 0.7, 0.85, 1.0, 1.2, 1.4, 1.7, 2.0, 2.4, 2.8, 3.4, 4.0])
+    # signal ‖θ_j‖ of each active variable, in units of the scenario's closed-form minimax support-recovery
+    # rate (sequence.support_recovery_rate); the transitions sit at 1.7-2.7 of it
+    signals: list[float] = field(default_factory=lambda: [0.7, 1.0, 1.2, 1.4, 1.55, 1.7, 1.85, 2.0, 2.2, 2.4, 2.7, 3.0,
+                                                          3.5, 4.0, 5.0])
     reps: int = 200
     K: int = 64  # basis functions per variable
     sigma: float = 1.0
@@ -35,7 +38,7 @@ class SpamSelectParams:
     shape: str = "flat"  # "flat" (least favourable) or "decay"
     q: float = 0.1  # BH level
     delta: float = 0.5  # support recovery at per-variable level d^{-(1+δ)}
-    ref_signal: float = 2.0  # where exact_at_ref / risk_at_ref are read (added to the signals if absent)
+    ref_signal: float = 3.0  # where exact_at_ref / risk_at_ref are read (added to the signals if absent)
     chunk: int = 25  # repetitions simulated at once
 
 
@@ -74,14 +77,16 @@ def check(p: SpamSelectParams) -> None:
 
 @dataclass
 class Plan:
-    """What a scenario's selectors need: rates, truncations, the grid and the simulated levels."""
+    """What a scenario's selectors need: the units, truncations, the grid and the simulated levels."""
 
     scn: Scenario
     grid: list[int]
-    rho_sr: float  # predicted support-recovery separation (x = log d)
-    rho_mt: float  # predicted FDR + FNR separation (x = log(d/s))
-    rho_sr_adaptive: float  # x = log d + log|grid|
+    rho_sr: float  # the signal unit: closed-form minimax support-recovery rate (x = log d)
+    rho_mt: float  # closed-form minimax FDR + FNR rate (x = log(d/s))
+    rho_sr_adaptive: float  # the same formula at x = log d + log|grid|
     rho_mt_adaptive: float
+    bound_sr: float  # the χ² (Laurent–Massart) bound the selectors threshold on: only sets m_sr
+    bound_mt: float  # ... and m_mt
     m_sr: int  # oracle truncations (know β)
     m_mt: int
     m_est: int  # estimation-optimal truncation (group lasso)
@@ -90,13 +95,12 @@ class Plan:
 
 def plan(scn: Scenario) -> Plan:
     grid = dyadic_grid(scn.K)
-    x_sr = math.log(scn.d)
-    x_mt = math.log(scn.d / scn.s) if scn.s > 0 else x_sr
+    x_sr, x_mt = recovery_x(scn), testing_x(scn)
     log_g = math.log(len(grid))
     m_sr, m_mt, m_est = oracle_width(scn, x_sr), oracle_width(scn, x_mt), estimation_width(scn)
-    return Plan(scn, grid, separation_rate(scn, x_sr), separation_rate(scn, x_mt),
-                separation_rate(scn, x_sr + log_g), separation_rate(scn, x_mt + log_g), m_sr, m_mt, m_est,
-                sorted(set(grid) | {m_sr, m_mt, m_est}))
+    return Plan(scn, grid, minimax_rate(scn, x_sr), minimax_rate(scn, x_mt), minimax_rate(scn, x_sr + log_g),
+                minimax_rate(scn, x_mt + log_g), chi2_bound_rate(scn, x_sr), chi2_bound_rate(scn, x_mt),
+                m_sr, m_mt, m_est, sorted(set(grid) | {m_sr, m_mt, m_est}))
 
 
 def select(name: str, en: Any, pl: Plan, p: SpamSelectParams, theta: np.ndarray) -> tuple[np.ndarray, dict[str, Any]]:
@@ -179,6 +183,10 @@ def _median(values: list[float]) -> float:
     return float(np.median(finite)) if len(finite) == len(values) and finite else float("nan")
 
 
+def _log(value: float) -> float:
+    return math.log(value) if np.isfinite(value) and value > 0 else float("nan")
+
+
 def _spread(values: list[float]) -> float:
     arr = np.asarray(values, dtype=float)
     return float(arr.max() / arr.min()) if arr.size and np.all(np.isfinite(arr)) else float("nan")
@@ -193,6 +201,7 @@ def headline(p: SpamSelectParams, rows: list[dict[str, Any]], trans: list[dict[s
     for name in p.selectors:
         out[f"transition/exact/{name}"] = _median([by[lab, name]["c50_exact"] for lab in plans])
         out[f"transition/risk/{name}"] = _median([by[lab, name]["c50_risk"] for lab in plans])
+        out[f"transition_raw/exact/{name}"] = _median([by[lab, name]["rho50_exact"] for lab in plans])
         out[f"exact_at_ref/{name}"] = float(np.mean([r["exact"] for r in ref if r["selector"] == name]))
         out[f"risk_at_ref/{name}"] = float(np.mean([r["risk"] for r in ref if r["selector"] == name]))
         mine = [r for r in rows if r["selector"] == name]
@@ -200,8 +209,11 @@ def headline(p: SpamSelectParams, rows: list[dict[str, Any]], trans: list[dict[s
         out[f"fdr_mean/{name}"] = float(np.mean([r["fdr"] for r in mine]))  # pooled over cells
         out[f"fdr_max/{name}"] = float(max(r["fdr"] for r in mine))  # the largest noisy cell estimate
     first = p.selectors[0]
-    for key in ("transition/exact", "transition/risk", "exact_at_ref", "risk_at_ref"):  # what the claim grid reads
+    for key in ("transition/exact", "transition/risk", "exact_at_ref", "risk_at_ref", "exact_max"):  # the claim grid
         out[f"headline/{key.replace('/', '_')}"] = out[f"{key}/{first}"]
+    # natural logs, so that a claim's difference is a log-ratio and a factor f is the margin log f
+    out["headline/log_transition_exact"] = _log(out[f"transition/exact/{first}"])
+    out["headline/log_rho_transition_exact"] = _log(out[f"transition_raw/exact/{first}"])
     if "sr_oracle" in p.selectors and len(plans) > 1:
         out["collapse/exact/spread_rate_units"] = _spread([by[lab, "sr_oracle"]["c50_exact"] for lab in plans])
         out["collapse/exact/spread_raw"] = _spread([by[lab, "sr_oracle"]["rho50_exact"] for lab in plans])
@@ -227,7 +239,8 @@ def headline(p: SpamSelectParams, rows: list[dict[str, Any]], trans: list[dict[s
 def scenario_rows(plans: dict[str, Plan]) -> list[dict[str, Any]]:
     return [{"scenario": lab, "n": pl.scn.n, "d": pl.scn.d, "s": pl.scn.s, "beta": pl.scn.beta, "eps": pl.scn.eps,
              "rho_sr": pl.rho_sr, "rho_mt": pl.rho_mt, "rho_sr_adaptive": pl.rho_sr_adaptive,
-             "rho_mt_adaptive": pl.rho_mt_adaptive, "m_oracle_sr": pl.m_sr, "m_oracle_mt": pl.m_mt,
+             "rho_mt_adaptive": pl.rho_mt_adaptive, "chi2_bound_sr": pl.bound_sr, "chi2_bound_mt": pl.bound_mt,
+             "bound_over_unit_sr": pl.bound_sr / pl.rho_sr, "m_oracle_sr": pl.m_sr, "m_oracle_mt": pl.m_mt,
              "m_est": pl.m_est, "grid": " ".join(map(str, pl.grid))} for lab, pl in plans.items()]
 
 
@@ -284,7 +297,7 @@ def plot_metric(rows: list[dict[str, Any]], plans: dict[str, Plan], metric: str,
             ax.axhline(hline, color="grey", lw=0.8, ls=":")
         _log_axis(ax)
         ax.set_title(lab, fontsize=9)
-        ax.set_xlabel("signal ‖θ_j‖ / predicted rate" + (" (FDR+FNR)" if x == "signal_mt" else ""))
+        ax.set_xlabel("signal ‖θ_j‖ / minimax rate (closed form)" + (" (FDR+FNR)" if x == "signal_mt" else ""))
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
@@ -293,7 +306,7 @@ def plot_metric(rows: list[dict[str, Any]], plans: dict[str, Plan], metric: str,
 
 
 def plot_collapse(rows: list[dict[str, Any]], plans: dict[str, Plan], selectors: list[str]) -> Any | None:
-    """P(exact) / FDR + FNR per scenario against the raw ‖θ_j‖ and in units of the predicted rate."""
+    """P(exact) / FDR + FNR per scenario against the raw ‖θ_j‖ and in units of the closed-form minimax rate."""
     specs = [(sel, metric, unit) for sel, metric, unit in (("sr_oracle", "exact", "signal"),
                                                           ("sr_adaptive", "exact", "signal"),
                                                           ("bh_oracle", "risk", "signal_mt"),
@@ -311,13 +324,13 @@ def plot_collapse(rows: list[dict[str, Any]], plans: dict[str, Plan], selectors:
             cur = sorted((r for r in rows if r["scenario"] == lab and r["selector"] == sel), key=lambda r: r["rho"])
             ax_raw.plot([r["rho"] for r in cur], [r[metric] for r in cur], marker="o", ms=3, color=f"C{i}", label=lab)
             ax_unit.plot([r[unit] for r in cur], [r[metric] for r in cur], marker="o", ms=3, color=f"C{i}")
-        for ax, xl in ((ax_raw, "‖θ_j‖ (raw)"), (ax_unit, "‖θ_j‖ / predicted rate")):
+        for ax, xl in ((ax_raw, "‖θ_j‖ (raw)"), (ax_unit, "‖θ_j‖ / minimax rate (closed form)")):
             _log_axis(ax)
             ax.set_xlabel(xl)
             ax.set_ylabel(f"{metric} ({sel})")
             ax.grid(alpha=0.3)
         ax_raw.legend(fontsize=7)
-    fig.suptitle("transition scaling: curves collapse in units of the predicted separation rate")
+    fig.suptitle("transition scaling: curves in raw ‖θ_j‖ and in units of the closed-form minimax rate")
     fig.tight_layout()
     return fig
 

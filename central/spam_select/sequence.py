@@ -149,15 +149,57 @@ def stat_threshold(m: int | np.ndarray, alpha: float | np.ndarray) -> np.ndarray
 
 # -- rates -------------------------------------------------------------------------------------
 
-def separation_rate(scn: Scenario, x: float) -> float:
-    """The predicted separation ρ*(x): the norm at which the χ² statistic over the natural width
-    M(ρ) of a least-favourable signal clears the null deviation at level e^{-x}:
+def minimax_rate(scn: Scenario, x: float) -> float:
+    """The minimax separation rate ρ*(x) in closed form: the signal unit of every curve and transition.
 
-        ρ²/ε² = 2√(M(ρ)·x) + 2x        (Laurent–Massart, M(ρ) = :func:`flat_width`).
+        ρ*(x)² = L^{2/(4β+1)} (ε² √x)^{4β/(4β+1)} + ε² x,      ε² = σ²/n,
 
-    With M(ρ) ≈ (L²(2β+1)/ρ²)^{1/(2β)} this is ρ*² ≍ (L²(2β+1))^{1/(4β+1)}(ε²√x)^{4β/(4β+1)} + ε² x,
-    the minimax separation rate; x = log d for support recovery, log(d/s) for FDR + FNR, plus
-    log|grid| for the adaptive (Bonferroni-over-the-grid) versions.
+    with both constants fixed once at 1.  x = log d for support recovery and log(d/s) for FDR + FNR
+    (:func:`support_recovery_rate`, :func:`multiple_testing_rate`).  Derivation (the standard χ²
+    balance of the sparse nonparametric selection literature, Ingster–Stepanova, Butucea–Stepanova):
+    a component of norm ρ in the Sobolev(β, L) ball keeps ≳ ρ²/2 of its energy in its first
+    m ≍ (L/ρ)^{1/β} coefficients, and a sum of m squared noisy coefficients separates it from d
+    nulls once ρ² ≳ ε²(√(m x) + x); substituting m and solving gives the two terms.  The formula
+    reads only (n, d, s, β, σ, L): not the selectors' thresholds τ_m, their level d^{-(1+δ)}, the
+    truncation K or the discrete width of the simulated signals (tests check this), so a collapse
+    of the transitions in these units is measured, not built in.
+    """
+    eps2 = scn.eps**2
+    return math.sqrt(scn.radius ** (2 / (4 * scn.beta + 1)) * (eps2 * math.sqrt(x)) ** (4 * scn.beta / (4 * scn.beta + 1))
+                     + eps2 * x)
+
+
+def recovery_x(scn: Scenario) -> float:
+    """x of support recovery: log d (the d − s nulls drive the wrong-recovery probability; the
+    alternative side's log s ≤ log d is of the same order and left out of the unit)."""
+    return math.log(scn.d)
+
+
+def testing_x(scn: Scenario) -> float:
+    """x of multiple testing (FDR + FNR): log(d/s) (log d when s = 0)."""
+    return math.log(scn.d / scn.s) if scn.s > 0 else math.log(scn.d)
+
+
+def support_recovery_rate(scn: Scenario) -> float:
+    """The unit of the exact-recovery curves: :func:`minimax_rate` at x = log d."""
+    return minimax_rate(scn, recovery_x(scn))
+
+
+def multiple_testing_rate(scn: Scenario) -> float:
+    """The unit of the FDR + FNR curves: :func:`minimax_rate` at x = log(d/s)."""
+    return minimax_rate(scn, testing_x(scn))
+
+
+def chi2_bound_rate(scn: Scenario, x: float) -> float:
+    """The norm at which the χ² statistic over the natural width M(ρ) of a least-favourable signal
+    clears the Laurent–Massart null deviation at level e^{-x}:
+
+        ρ²/ε² = 2√(M(ρ)·x) + 2x        (M(ρ) = :func:`flat_width`).
+
+    This is the bound the χ² selectors threshold on, so it is **not** the signal unit (it was, and a
+    collapse in it was partly built in); it only sets the truncation of the oracle that knows β
+    (:func:`oracle_width`).  With M(ρ) ≈ (L²(2β+1)/ρ²)^{1/(2β)} it is :func:`minimax_rate` up to
+    constants (measured: 1.37-1.41 × it in the spec's scenarios).
     """
     def gap(log_rho: float) -> float:
         rho = math.exp(log_rho)
@@ -172,8 +214,9 @@ def separation_rate(scn: Scenario, x: float) -> float:
 
 
 def oracle_width(scn: Scenario, x: float) -> int:
-    """The truncation an oracle that knows β uses: the width M(ρ*) of the signal at the rate."""
-    return flat_width(separation_rate(scn, x), scn.beta, scn.radius, scn.K)
+    """The truncation an oracle that knows β uses: the width M(ρ) of a least-favourable signal at the
+    χ² bound :func:`chi2_bound_rate` (a property of that selector, not of the unit)."""
+    return flat_width(chi2_bound_rate(scn, x), scn.beta, scn.radius, scn.K)
 
 
 def estimation_width(scn: Scenario) -> int:

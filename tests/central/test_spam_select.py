@@ -11,9 +11,11 @@ from scipy import optimize, stats
 
 from central.spam_select import baselines as B
 from central.spam_select import selectors as S
+from central.spam_select import sequence as Q
 from central.spam_select.run import SpamSelectParams, check, crossing, plan, select
-from central.spam_select.sequence import (Scenario, chi2_pvalue, chi2_stat, dyadic_grid, flat_width, make_theta,
-                                          separation_rate, simulate, sobolev_energy, stat_threshold)
+from central.spam_select.sequence import (Scenario, chi2_bound_rate, chi2_pvalue, chi2_stat, dyadic_grid, flat_width,
+                                          make_theta, minimax_rate, multiple_testing_rate, simulate, sobolev_energy,
+                                          stat_threshold, support_recovery_rate)
 from fedsim.errors import ConfigError
 
 
@@ -23,7 +25,7 @@ def null_energies(d: int, reps: int, K: int, levels: list[int], seed: int, eps: 
 
 def sparse_energies(scn: Scenario, c: float, reps: int, levels: list[int], seed: int) -> tuple[S.Energies, np.ndarray]:
     rng = np.random.default_rng(seed)
-    theta = make_theta(c * separation_rate(scn, math.log(scn.d)), scn, rng)
+    theta = make_theta(c * support_recovery_rate(scn), scn, rng)
     return simulate(theta, scn.eps, reps, levels, rng), theta
 
 
@@ -78,7 +80,8 @@ def test_bh_fdr_equals_pi0_q_under_a_sparse_alternative_and_bonferroni_does_not(
                                   [False, True, True, True])
     scn, q, reps = Scenario(n=1000, d=100, s=30, beta=1.0, K=16), 0.1, 6000
     grid = dyadic_grid(16)
-    en, _ = sparse_energies(scn, 0.7, reps, grid, seed=2)
+    c = 0.7 * chi2_bound_rate(scn, math.log(scn.d)) / support_recovery_rate(scn)  # raw ‖θ_j‖ = 0.7 × the χ² bound
+    en, _ = sparse_energies(scn, c, reps, grid, seed=2)
     masks = {"bh": S.bh_fixed(en, 8, scn.eps, q), "bh_adaptive": S.bh_adaptive(en, grid, scn.eps, q),
              "bonferroni": chi2_pvalue(S.at_level(en, 8), 8, scn.eps) <= q / scn.d}
     met = {k: S.selection_metrics(v, scn.s) for k, v in masks.items()}
@@ -162,10 +165,86 @@ def test_flat_signal_has_the_norm_and_stays_in_the_sobolev_ball() -> None:
         width = flat_width(rho, 1.0, 1.0, 64)
         k = np.arange(1, width + 2)
         assert width == 64 or rho**2 / (width + 1) * (k**2.0).sum() > 1.0  # one wider would leave the ball
-    rho = separation_rate(scn, math.log(400))
+    rho = chi2_bound_rate(scn, math.log(400))  # the χ² bound (sets the oracle's truncation only)
     lhs, rhs = rho**2 / scn.eps**2, 2 * math.sqrt(flat_width(rho, 1.0, 1.0, 64) * math.log(400)) + 2 * math.log(400)
     assert lhs == pytest.approx(rhs, rel=0.05)  # M(ρ) is a step function: equality up to one step
-    assert separation_rate(Scenario(4000, 10, 3, 1.0), math.log(400)) < rho  # more data, smaller rate
+    assert chi2_bound_rate(Scenario(4000, 10, 3, 1.0), math.log(400)) < rho  # more data, smaller rate
+
+
+# -- the signal unit: the closed-form minimax rate -------------------------------------------------
+
+def closed_form(n: float, d: float, beta: float, sigma: float = 1.0, L: float = 1.0, x: float | None = None) -> float:
+    """ρ*² = L^{2/(4β+1)} (ε²√x)^{4β/(4β+1)} + ε² x, ε² = σ²/n, x = log d: written out here, apart from the code."""
+    x = math.log(d) if x is None else x
+    e2 = sigma**2 / n
+    return math.sqrt(L ** (2 / (4 * beta + 1)) * (e2 * math.sqrt(x)) ** (4 * beta / (4 * beta + 1)) + e2 * x)
+
+
+@pytest.mark.parametrize("n, d, s, beta, sigma, L", [(1000, 400, 10, 1.0, 1.0, 1.0), (16000, 3200, 40, 2.0, 1.0, 1.0),
+                                                     (250, 50, 3, 0.5, 2.0, 3.0)])
+def test_the_unit_is_the_closed_form_minimax_rate(n, d, s, beta, sigma, L) -> None:
+    scn = Scenario(n, d, s, beta, sigma, L, K=64)
+    assert support_recovery_rate(scn) == pytest.approx(closed_form(n, d, beta, sigma, L), rel=1e-12)
+    assert multiple_testing_rate(scn) == pytest.approx(closed_form(n, d, beta, sigma, L, math.log(d / s)), rel=1e-12)
+    pl = plan(scn)
+    assert pl.rho_sr == support_recovery_rate(scn) and pl.rho_mt == multiple_testing_rate(scn)
+    log_g = math.log(len(dyadic_grid(64)))
+    assert pl.rho_sr_adaptive == pytest.approx(closed_form(n, d, beta, sigma, L, math.log(d) + log_g), rel=1e-12)
+
+
+@pytest.mark.parametrize("beta", [0.5, 1.0, 2.0])
+def test_the_unit_scales_in_n_d_s_beta_like_the_formula(beta) -> None:
+    def rate(n, d=400, s=10, b=beta):
+        return support_recovery_rate(Scenario(n, d, s, b))
+
+    def nonparametric(n, d=400):  # ρ*² minus the parametric ε² log d term
+        return rate(n, d) ** 2 - math.log(d) / n
+
+    exponent = 4 * beta / (4 * beta + 1)
+    assert nonparametric(32_000) / nonparametric(1000) == pytest.approx(32.0 ** -exponent, rel=1e-9)
+    assert nonparametric(1000, d=3200) / nonparametric(1000) == pytest.approx(
+        (math.log(3200) / math.log(400)) ** (exponent / 2), rel=1e-9)
+    # for n -> ∞ the nonparametric term dominates: ρ* ∝ n^{-2β/(4β+1)}
+    slope = math.log(rate(1e41) / rate(1e40)) / math.log(10)
+    assert slope == pytest.approx(-2 * beta / (4 * beta + 1), abs=2e-3)
+    # s: support recovery reads log d only; multiple testing reads log(d/s), so larger s, smaller unit
+    assert rate(1000, s=40) == rate(1000, s=10)
+    assert multiple_testing_rate(Scenario(1000, 400, 40, beta)) < multiple_testing_rate(Scenario(1000, 400, 10, beta))
+    # smoother components: a smaller unit (at ε² √log d < 1)
+    assert support_recovery_rate(Scenario(1000, 400, 10, 2 * beta)) < rate(1000)
+
+
+def test_the_unit_does_not_read_the_selectors_threshold_or_the_signal_width(monkeypatch) -> None:
+    scn = Scenario(1000, 400, 10, 1.0)
+    unit, bound = support_recovery_rate(scn), chi2_bound_rate(scn, math.log(400))
+    assert 1.2 < bound / unit < 1.6  # the χ² bound is the same order (1.37 here), but not the unit
+    # break the thresholds the selectors use and the width of the simulated signal: the unit stays put
+    monkeypatch.setattr(Q, "stat_threshold", lambda m, alpha: 10 * np.ones_like(np.asarray(m, float)))
+    monkeypatch.setattr(S, "stat_threshold", lambda m, alpha: 10 * np.ones_like(np.asarray(m, float)))
+    monkeypatch.setattr(S, "recovery_alpha", lambda d, delta: 1e-30)
+    monkeypatch.setattr(Q, "flat_width", lambda rho, beta, radius, K: K)
+    assert support_recovery_rate(scn) == unit and plan(scn).rho_sr == unit
+    assert chi2_bound_rate(scn, math.log(400)) != bound  # while the old, solved unit moves: the check can fail
+
+
+def test_the_threshold_constant_moves_the_transition_not_the_unit(tmp_path) -> None:
+    """δ sets the selectors' level d^{-(1+δ)}: a larger δ must raise FNR at the same raw signals."""
+    from fedsim.central_runner import run_central
+    from fedsim import config as C
+
+    def run(delta: float):
+        path = tmp_path / f"delta{delta}.yaml"
+        path.write_text(TINY.replace("reps: 20", f"reps: 20\n  delta: {delta}\n  selectors: [sr_oracle]")
+                        .replace("signals: [0.5, 3.0]", "signals: [1.4, 1.8, 2.2]"))
+        cfg = C.load_central_config(str(path))
+        cfg.tracking.enabled = False
+        return run_central(cfg)
+
+    low, high = run(0.5), run(3.0)
+    assert [r["rho"] for r in low.tables["curves"]] == [r["rho"] for r in high.tables["curves"]]
+    assert [r["rho_sr"] for r in low.tables["scenarios"]] == [r["rho_sr"] for r in high.tables["scenarios"]]
+    fnr_low, fnr_high = ([r["fnr"] for r in res.tables["curves"]] for res in (low, high))
+    assert all(h >= lo for h, lo in zip(fnr_high, fnr_low)) and any(h > lo for h, lo in zip(fnr_high, fnr_low))
 
 
 def test_exact_recovery_tends_to_one_at_strong_signal_and_zero_at_weak() -> None:
@@ -212,6 +291,12 @@ def test_same_seed_same_metrics_through_run_central(tmp_path) -> None:
     assert same(a.metrics, b.metrics) and not same(a.metrics, c.metrics)
     assert len(a.tables["curves"]) == 7 * 2 and len(a.tables["transitions"]) == 7
     assert a.metrics["headline/exact_at_ref"] == a.metrics["exact_at_ref/sr_oracle"] >= 0.8
+    assert a.metrics["headline/exact_max"] == a.metrics["exact_max/sr_oracle"]
+    assert a.metrics["headline/log_transition_exact"] == pytest.approx(math.log(a.metrics["headline/transition_exact"]))
+    assert a.metrics["headline/log_rho_transition_exact"] == pytest.approx(
+        math.log(a.metrics["transition_raw/exact/sr_oracle"]))
+    unit = a.tables["scenarios"][0]["rho_sr"]
+    assert a.metrics["transition_raw/exact/sr_oracle"] == pytest.approx(a.metrics["headline/transition_exact"] * unit)
     names = sorted(a.metrics)  # no metric name is a path prefix of another (MLflow's file store needs that)
     assert not any(b.startswith(x + "/") for x in names for b in names)
     assert a.metrics["risk_at_ref/glasso_risk"] > a.metrics["risk_at_ref/sr_oracle"]
@@ -249,3 +334,20 @@ def test_bad_params_stop_run_central_before_anything_runs(tmp_path) -> None:
     cfg.tracking.enabled = False
     with pytest.raises(ConfigError, match="params.selectors"):
         run_central(cfg)
+
+
+def test_claim_spec_builds_valid_params_and_never_reads_a_transition_that_can_be_nan() -> None:
+    from fedsim import reproduce
+    from fedsim.central_runner import method_params
+
+    spec = reproduce.load_claim("spam_select")
+    for setting in reproduce.settings(spec):
+        params = method_params(reproduce.build_config(spec, setting, 0))
+        check(params)
+        assert len(params.scenarios) == 1 and len(params.selectors) == 1 and max(params.signals) == 5.0
+    assert spec.has_protocol and len(spec.seeds) >= 3 and len(spec.claim) >= 5 and spec.controls.positive
+    # glasso_risk never reaches P(exact) = 1/2: its transition is nan, unlogged, and would leave a claim unpaired
+    for comp in [*spec.claim, *spec.controls.positive]:
+        side = {**comp.at, **comp.better}
+        if side.get("params.selectors") == ["glasso_risk"]:
+            assert all("transition" not in m for m in comp.metrics(spec.metric)), comp.name
