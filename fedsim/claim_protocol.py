@@ -153,6 +153,21 @@ def pick(grid: list[dict[str, Any]], want: dict[str, Any], what: str) -> int:
     return hits[0]
 
 
+def read_configurations(spec: Any, grid: list[dict[str, Any]]) -> set[int]:
+    """Indices of the grid configurations some claim, control or reference reads (the rest only cost time)."""
+    read: set[int] = set()
+    for i, comp in enumerate([*spec.claim, *spec.controls.positive]):
+        what = f"comparison {i + 1}"
+        read.add(pick(grid, {**comp.at, **comp.better}, what))
+        if not comp.against_constant:
+            read.add(pick(grid, {**comp.at, **comp.worse}, what))
+    for role in ("floor", "ceiling"):
+        ref = getattr(spec.controls, role)
+        if ref is not None and ref.setting:
+            read.add(pick(grid, ref.setting, f"controls.{role}"))
+    return read
+
+
 def method_of(setting: dict[str, Any], key: str) -> str:
     value = setting[key]
     return str(value.get("name", value)) if isinstance(value, dict) else str(value)

@@ -780,6 +780,11 @@ def plan_claim(name: str, spec: ClaimSpec, tracking_uri: str | None = None) -> l
                  + (", each method with its tuned values" if tune else "")
                  + (f"; {reuse} of them are the tuning runs of the chosen values, reused" if reuse else "") + ")")
     lines += [f"    {j.name}" for j in final]
+    if spec.has_protocol:
+        unread = [label_of(grid[i]) for i in range(len(grid)) if i not in P.read_configurations(spec, grid)]
+        if unread:
+            lines.append(f"  {len(unread)} configuration{'s' * (len(unread) > 1)} no claim, control or reference reads "
+                         f"(leave them out with exclude:): {'; '.join(unread)}")
     measured = measured_seconds_per_run(name, tracking_uri)
     if measured is not None:
         per_run, source = measured, "measured by the last finished run of this claim check"

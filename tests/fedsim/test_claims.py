@@ -185,6 +185,9 @@ def test_plan_lists_runs_and_an_estimate_and_records_nothing(tmp_path, in_tmp, c
     assert "tune | strategy=fedprox, local_epochs=1 | client.lr=0.5 | seed 0" in out
     assert "estimated time: 5.0 min (0.50 min per run, the spec's minutes_per_run)" in out
     assert [p.name for p in in_tmp.iterdir()] == ["claim.yaml"]  # no store, no checkpoints
+    # the claim reads fedprox and fedavg at local_epochs=1, the control fedmut and fedavg at 2
+    assert ("2 configurations no claim, control or reference reads (leave them out with exclude:): "
+            "strategy=fedprox, local_epochs=2; strategy=fedmut, local_epochs=1\n") in out
 
 
 # -- end to end with hand-made histories ---------------------------------------------------------
