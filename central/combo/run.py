@@ -218,6 +218,7 @@ class TaskResult:
     null_relevance: list[float] | None = None  # the same, for a head trained on shuffled labels
     kept: list[str] = field(default_factory=list)
     probes: list[dict[str, Any]] = field(default_factory=list)
+    n_classes: int = 0  # 0: unknown (no chance level logged)
 
 
 def _acc(pred: torch.Tensor, y: torch.Tensor) -> float:
@@ -240,6 +241,7 @@ def combo_and_topk(task: TaskData, feats: TaskFeatures, p: ComboParams, seed: in
         perm = torch.randperm(len(task.y_train), generator=torch.Generator().manual_seed(seed))
         null = train_head(feats.names, feats.train, task.y_train[perm], task.n_classes, recipe, seed)
         out.null_relevance = [float(s) for s in null.relevance()]
+        out.acc["null_combo"] = _acc(predict(null, feats.test), task.y_test)  # known: chance
 
 
 def single_backbone_combos(task: TaskData, feats: TaskFeatures, p: ComboParams, seed: int, out: TaskResult) -> None:
@@ -309,11 +311,15 @@ def summarise(results: list[TaskResult], p: ComboParams) -> dict[str, float]:
         out["eval/relevance_spread"] = float(np.mean([spread(r.relevance or [0.0]) for r in results]))
         if results[0].null_relevance is not None:
             out["eval/null_relevance_spread"] = float(np.mean([spread(r.null_relevance or [0.0]) for r in results]))
+            out["eval/null_combo_mean_acc"] = mean("null_combo")
         control = CONTROL if p.setting == "text" else "random"
         if control in p.backbones and len(p.backbones) > 1:
             k = p.backbones.index(control)
+            others = [[s for j, s in enumerate(r.relevance or []) if j != k] for r in results]
             out["eval/random_rank_last_frac"] = float(np.mean([
-                (r.relevance or [])[k] < min(s for j, s in enumerate(r.relevance or []) if j != k) for r in results]))
+                (r.relevance or [])[k] < min(o) for r, o in zip(results, others)]))
+            out["eval/random_rank_first_frac"] = float(np.mean([
+                (r.relevance or [])[k] > max(o) for r, o in zip(results, others)]))
     if "topk" in results[0].acc:
         out["eval/topk_mean_acc"] = mean("topk")
         out["claim/topk_minus_combo"] = out["eval/topk_mean_acc"] - out["eval/combo_mean_acc"]
@@ -341,6 +347,8 @@ def summarise(results: list[TaskResult], p: ComboParams) -> dict[str, float]:
                 out["eval/relevance_probe_spearman"] = float(np.mean(rhos))
     if "concat_probe" in p.methods:
         out["eval/concat_probe_mean_acc"] = mean("concat_probe")
+    if all(r.n_classes for r in results):
+        out["eval/chance_mean_acc"] = float(np.mean([1.0 / r.n_classes for r in results]))
     first = {"combo": "eval/combo_mean_acc", "topk": "eval/topk_mean_acc", "single": "eval/best_single_combo_mean_acc",
              "probe": "eval/best_probe_mean_acc", "concat_probe": "eval/concat_probe_mean_acc"}[p.methods[0]]
     out["eval/mean_acc"] = out[first]
@@ -406,7 +414,7 @@ def run_combo(ctx: CentralContext) -> dict[str, float]:
                 start = time.perf_counter()
                 task = make_task(p, task_name, ctx.seed("train_set", task_name))
                 feats = bank.features(task)
-                out = TaskResult(task_name)
+                out = TaskResult(task_name, n_classes=task.n_classes)
                 if {"combo", "topk"} & set(p.methods):
                     combo_and_topk(task, feats, p, ctx.seed("head", task_name), out)
                 if "single" in p.methods:

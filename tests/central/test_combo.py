@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -11,8 +13,9 @@ from central.combo.backbones import (BackboneRecipe, ConvNet, _objective_head, l
                                      token_features, token_grid)
 from central.combo.features import FeatureBank, standardise
 from central.combo.head import ComboHead, HeadRecipe, predict, top_k, train_head
-from central.combo.run import ComboParams, TaskResult, check, rank_of, summarise
-from central.combo.tasks import build_task, mnist_high_halves, place
+from central.combo.features import TaskFeatures
+from central.combo.run import ComboParams, TaskResult, check, combo_and_topk, rank_of, summarise
+from central.combo.tasks import TaskData, build_task, mnist_high_halves, place
 from fedsim import config as C
 from fedsim.cli import main
 from fedsim.errors import ConfigError
@@ -99,6 +102,48 @@ def test_the_informative_backbone_gets_the_largest_relevance() -> None:
     head = train_head(names, feats, y, 3, recipe, seed=0)
     assert top_k(names, head.relevance(), 1) == ["b"]
     assert float((predict(head, feats) == y).float().mean()) > 0.9
+
+
+def test_proj_init_scales_the_starting_projections_and_nothing_else() -> None:
+    names, feats, _ = _features()
+    dims = [[5, 7]] * 3
+    heads = {s: ComboHead(names, dims, 4, 3, replace(RECIPE, proj_init=s), seed=3) for s in (1.0, 0.01)}
+    for small, default in zip(heads[0.01].proj, heads[1.0].proj):
+        assert torch.allclose(small.weight, 0.01 * default.weight) and torch.allclose(small.bias, 0.01 * default.bias)
+    assert torch.allclose(heads[0.01].relevance(), 0.01 * heads[1.0].relevance())
+    body = [(n, q) for n, q in heads[1.0].named_parameters() if not n.startswith("proj")]
+    assert body and all(torch.equal(q, dict(heads[0.01].named_parameters())[n]) for n, q in body)
+
+
+def test_with_the_default_init_the_starting_norms_swamp_the_relevance() -> None:
+    """Why ``proj_init`` is small: from PyTorch's init the trained norms stay near their (equal) start."""
+    names, feats, y = _features(n=96)
+    recipe = HeadRecipe(proj_dim=4, heads=2, epochs=15, batch=32, lr=3e-3, weight_decay=1.0)
+    spreads = {}
+    for scale in (1.0, 0.01):
+        head = train_head(names, feats, y, 3, replace(recipe, proj_init=scale), seed=0)
+        rel = head.relevance()
+        spreads[scale] = float((rel.max() - rel.min()) / rel.mean())
+    assert spreads[0.01] > 3 * spreads[1.0]
+
+
+def _synthetic_task(n_train: int = 120, n_test: int = 120) -> tuple[TaskData, TaskFeatures]:
+    names, feats, y = _features(n=n_train + n_test, seed=4)
+    split = lambda maps, a, b: [[m[a:b] for m in layer] for layer in maps]  # noqa: E731
+    x = torch.zeros(n_train + n_test, 1)
+    task = TaskData("synthetic", 3, x[:n_train], y[:n_train], x[n_train:], y[n_train:])
+    return task, TaskFeatures(names, split(feats, 0, n_train), split(feats, n_train, n_train + n_test))
+
+
+def test_the_shuffled_label_head_is_at_chance_and_the_real_one_is_not() -> None:
+    task, feats = _synthetic_task()
+    p = ComboParams(methods=["combo"], backbones=feats.names, null_control=True, proj_dim=4, heads=2, epochs=15,
+                    batch=32, lr=3e-3)
+    out = TaskResult("synthetic", n_classes=3)
+    combo_and_topk(task, feats, p, seed=0, out=out)
+    assert out.acc["combo"] > 0.9
+    assert abs(out.acc["null_combo"] - 1 / 3) < 0.15 and out.null_relevance is not None
+    assert len(out.null_relevance) == 3 and out.null_relevance != out.relevance
 
 
 def test_top_k_picks_the_k_highest_scores_with_stable_ties() -> None:
@@ -198,10 +243,22 @@ def test_place_keeps_the_digit_inside_the_canvas() -> None:
 def test_rank_and_random_last_fraction() -> None:
     assert rank_of([3.0, 1.0, 2.0], 1) == 3 and rank_of([3.0, 1.0, 3.0], 2) == 1
     p = ComboParams(methods=["combo"], backbones=["supervised", "random"], tasks=["shapes", "texture"])
-    results = [TaskResult("shapes", {"combo": 0.8}, [2.0, 1.0]), TaskResult("texture", {"combo": 0.6}, [1.0, 3.0])]
+    results = [TaskResult("shapes", {"combo": 0.8}, n_classes=4, relevance=[2.0, 1.0]),
+               TaskResult("texture", {"combo": 0.6}, n_classes=2, relevance=[1.0, 3.0])]
     m = summarise(results, p)
     assert m["eval/random_rank_last_frac"] == 0.5 and m["eval/mean_acc"] == pytest.approx(0.7)
-    assert m["eval/relevance_rank/random"] == 1.5
+    assert m["eval/random_rank_first_frac"] == 0.5 and m["eval/relevance_rank/random"] == 1.5
+    assert m["eval/chance_mean_acc"] == pytest.approx((1 / 4 + 1 / 2) / 2)
+    p3 = ComboParams(methods=["combo"], backbones=["supervised", "rotation", "random"], tasks=["shapes", "texture"])
+    three = [TaskResult("shapes", {"combo": 0.8}, relevance=[2.0, 1.0, 1.5]),  # random in the middle
+             TaskResult("texture", {"combo": 0.6}, relevance=[1.0, 3.0, 0.5])]  # random last
+    m3 = summarise(three, p3)
+    assert m3["eval/random_rank_last_frac"] == 0.5 and m3["eval/random_rank_first_frac"] == 0.0
+    assert "eval/chance_mean_acc" not in m3  # classes unknown: no chance level
+    tied = [TaskResult("shapes", {"combo": 0.8}, relevance=[1.0, 2.0, 1.0]),  # a tie is not "last"
+            TaskResult("texture", {"combo": 0.6}, relevance=[2.0, 1.0, 2.0])]  # nor "first"
+    mt = summarise(tied, p3)
+    assert mt["eval/random_rank_last_frac"] == 0.0 and mt["eval/random_rank_first_frac"] == 0.0
 
 
 # -- the run ---------------------------------------------------------------------------------------
@@ -220,8 +277,10 @@ def test_same_seed_gives_identical_metrics_and_logs_tables(tmp_path, monkeypatch
     assert first.metrics == second.metrics
     m = first.metrics
     for key in ("eval/combo_mean_acc", "eval/topk_mean_acc", "eval/best_probe_mean_acc", "eval/concat_probe_mean_acc",
-                "eval/random_rank_last_frac", "eval/oracle_probe_mean_acc", "eval/null_relevance_spread"):
+                "eval/random_rank_last_frac", "eval/random_rank_first_frac", "eval/oracle_probe_mean_acc",
+                "eval/null_relevance_spread", "eval/null_combo_mean_acc"):
         assert key in m and 0.0 <= m[key] <= 1.0
+    assert m["eval/chance_mean_acc"] == pytest.approx((1 / 4 + 1 / 3) / 2)  # shapes: 4 classes, texture: 3
     assert m["eval/mean_acc"] == m["eval/combo_mean_acc"]
     assert m["eval/best_single_combo_mean_acc"] == max(m["eval/single_combo_mean_acc/supervised"],
                                                        m["eval/single_combo_mean_acc/random"])
@@ -250,6 +309,36 @@ def test_default_params_pass_the_check() -> None:
     check(ComboParams())
     cfg = C.load_central_config("combo")
     check(ComboParams(**cfg.params))
+
+
+SPEC_TINY = ["params.train_per_task=40", "params.test_per_task=24", "params.widths=[2,4,8]",
+             "params.pretrain_images=48", "params.pretrain_epochs=1", "params.proj_dim=4", "params.heads=2",
+             "params.epochs=2", "params.batch=16", "params.probe_cs=[0.1]", "params.grid=2",
+             "params.tasks=[digits59,texture]"]
+
+
+def test_claim_spec_reads_every_child_and_the_children_log_what_it_reads(tmp_path, monkeypatch) -> None:
+    from fedsim import reproduce
+    from fedsim.central_runner import method_params
+
+    monkeypatch.setenv("FEDSIM_CACHE", str(tmp_path))
+    spec = reproduce.load_claim("combo")
+    assert spec.has_protocol and spec.metric == "eval/mean_acc" and len(spec.seeds) >= 3
+    comparisons = [*spec.claim, *spec.controls.positive]
+    kinds = {c.kind for c in spec.claim}
+    assert kinds == {"superiority", "equivalence"} and any(c.against_constant for c in spec.claim)
+    settings = reproduce.settings(spec)
+    assert {s["params.proj_init"] for s in settings} == {0.01, 1.0}
+    for setting in settings:
+        readers = [c for c in comparisons if all(setting.get(k) == v for k, v in {**c.at, **c.better}.items())]
+        assert readers, f"no verdict or control reads {setting}"
+        check(method_params(reproduce.build_config(spec, setting, 0)))  # the full-size child is valid
+        cfg = reproduce.build_config(spec, setting, 0, SPEC_TINY)
+        cfg.tracking.enabled = False
+        logged = set(run_central(cfg).metrics)
+        wanted = {m for c in readers for m in c.metrics(spec.metric)}
+        assert wanted <= logged, sorted(wanted - logged)
+    assert 0.0 < spec.controls.floor.value < spec.controls.ceiling.value < 1.0
 
 
 def test_cli_rejects_bad_params_in_one_line(capsys) -> None:
