@@ -226,12 +226,65 @@ def test_same_seed_gives_identical_metrics_and_logs_tables_and_plots() -> None:
     assert first.metrics == second.metrics
     m = first.metrics
     for key in ("psnr/in_range", "psnr/shifted/supervised", "ssim/shifted/global_gamma", "psnr/drop/lasq",
-                "claim/lasq_smaller_drop_than_supervised", "claim/lasq_beats_unsupervised_psnr/shifted",
-                "mcmc/acceptance"):
+                "psnr/shifted/dark", "psnr/in_range/dark", "mcmc/acceptance"):
         assert key in m, key
+    assert not any(k.startswith("claim/") for k in m)  # verdicts are the claim protocol's, with intervals
     assert m["psnr/in_range"] == m["psnr/in_range/lasq"]
+    for method in ("lasq", "supervised", "dark"):
+        assert m[f"psnr/drop/{method}"] == pytest.approx(m[f"psnr/in_range/{method}"] - m[f"psnr/shifted/{method}"])
+    rows = first.tables["per_image"]
+    for rng_name in ("in_range", "shifted"):  # the dark input's metric is the mean over its own test rows
+        dark = [r["psnr"] for r in rows if r["method"] == "dark" and r["range"] == rng_name]
+        assert m[f"psnr/{rng_name}/dark"] == pytest.approx(sum(dark) / len(dark))
     assert {"summary", "per_image", "mcmc"} <= set(first.tables)
-    assert len(first.tables["per_image"]) == 2 * 6  # 2 ranges x 1 pair x (dark + 5 methods)
+    assert len(rows) == 2 * 6  # 2 ranges x 1 pair x (dark + 5 methods)
+    cfg_other = C.load_central_config("lasq", TINY + ["params.methods=[global_gamma]"], seed=1)
+    cfg_other.tracking.enabled = False
+    other = run_central(cfg_other)
+    assert other.metrics["psnr/shifted/dark"] != m["psnr/shifted/dark"]  # the seed redraws the darkening
+
+
+def test_headline_keys_per_method_plain_keys_for_the_first_and_the_dark_input() -> None:
+    from central.lasq.run import headline
+
+    summary = [{"method": "dark", "psnr/shifted": 6.0, "psnr/in_range": 9.0, "psnr/drop": 3.0},
+               {"method": "global_gamma", "psnr/shifted": 12.0, "psnr/in_range": 17.0, "psnr/drop": 5.0,
+                "train_seconds": 0.0},
+               {"method": "lasq", "psnr/shifted": 13.0, "psnr/in_range": 15.0, "psnr/drop": 2.0,
+                "train_seconds": 9.0}]
+    out = headline(LasqParams(methods=["lasq", "global_gamma"]), summary)
+    assert out == {"psnr/shifted/lasq": 13.0, "psnr/in_range/lasq": 15.0, "psnr/drop/lasq": 2.0,
+                   "psnr/shifted/global_gamma": 12.0, "psnr/in_range/global_gamma": 17.0,
+                   "psnr/drop/global_gamma": 5.0, "psnr/shifted/dark": 6.0, "psnr/in_range/dark": 9.0,
+                   "psnr/drop/dark": 3.0, "psnr/shifted": 13.0, "psnr/in_range": 15.0, "psnr/drop": 2.0}
+
+
+def test_claim_spec_is_valid_every_child_is_read_and_its_metrics_are_logged() -> None:
+    from fedsim import reproduce
+    from fedsim.central_runner import method_params
+    from fedsim.claim_protocol import read_configurations
+
+    spec = reproduce.load_claim("lasq")
+    grid = reproduce.settings(spec)
+    for setting in grid:
+        check(method_params(reproduce.build_config(spec, setting, 0)))
+    comparisons = [*spec.claim, *spec.controls.positive]
+    assert read_configurations(spec, grid) == set(range(len(grid)))  # no child that no verdict reads
+    # the paper's claims: LASQ beats both unsupervised baselines at the shifted range, and the
+    # supervised U-Net loses more under the shift (a lower psnr/drop is better)
+    sides = {(c.better["params.methods"][0], c.worse["params.methods"][0], c.metric or spec.metric,
+              c.higher_is_better) for c in spec.claim}
+    assert sides == {("lasq", "global_gamma", "psnr/shifted", True), ("lasq", "pixel_gamma", "psnr/shifted", True),
+                     ("lasq", "supervised", "psnr/drop", False)}
+    assert all(c.margin > 0 and c.kind == "superiority" for c in spec.claim)
+    assert spec.metric == "psnr/shifted" and len(spec.seeds) >= 3 and spec.controls.positive
+    assert spec.controls.floor.value < spec.controls.ceiling.value
+    # every metric a verdict reads is one a child logs (a one-method run, as the grid's children)
+    cfg = C.load_central_config("lasq", TINY + ["params.methods=[global_gamma]"])
+    cfg.tracking.enabled = False
+    logged = set(run_central(cfg).metrics)
+    assert {m for c in comparisons for m in c.metrics(spec.metric)} <= logged
+    assert set(spec.extra_metrics) <= logged
 
 
 def test_niqe_is_computed_only_where_valid() -> None:
