@@ -169,6 +169,24 @@ def _generate(model: Any, prompts: torch.Tensor, steps: int, pick: Picker, tempe
                 on_step(len(x))
 
 
+def repetition(s: Streams) -> dict[str, float]:
+    """How often generated text repeats its (previous token, token) pairs, and perplexity without the repeats.
+
+    * ``repeated_pairs``: the share of positions whose pair already occurred earlier in the same
+      sequence (the scores a per-token detector counts more than once);
+    * ``distinct_2``: distinct pairs / all pairs over all the sequences together (distinct-2 of Li et
+      al. 2016; it falls with the number and length of the sequences, so compare equal-sized sets);
+    * ``ppl_first_pairs`` (with the model's NLL in ``s.extra``): perplexity over the first
+      occurrences only, so text that loops on cheap repeats does not look more fluent.
+    """
+    mask = first_occurrences(s.tokens, s.prev)
+    pairs = np.asarray(s.prev, np.int64) * (int(np.max(s.tokens)) + 1) + np.asarray(s.tokens, np.int64)
+    out = {"repeated_pairs": float(1.0 - mask.mean()), "distinct_2": float(len(np.unique(pairs)) / pairs.size)}
+    if "nll" in s.extra:
+        out["ppl_first_pairs"] = float(np.exp(s.extra["nll"][mask].mean()))
+    return out
+
+
 def prompt_windows(ids: torch.Tensor, n: int, length: int, rng: np.random.Generator) -> torch.Tensor:
     """``n`` random windows of ``length`` consecutive token ids."""
     if len(ids) <= length:

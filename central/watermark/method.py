@@ -12,9 +12,9 @@ import torch
 
 from fedsim.contracts.central import CentralContext
 from central.watermark.experiment import (Detection, Streams, detection_curves, dirichlet_pool, entropy,
-                                          lm_streams, plain_picker, pool_distortion, prompt_windows,
+                                          lm_streams, plain_picker, pool_distortion, prompt_windows, repetition,
                                           scheme_picker, synthetic_streams)
-from central.watermark.schemes import SCHEMES, OTScheme, SchemeConfig, first_occurrences, make_scheme
+from central.watermark.schemes import SCHEMES, OTScheme, SchemeConfig, make_scheme
 from fedsim.errors import ConfigError
 from fedsim.registry import CENTRAL
 
@@ -175,9 +175,9 @@ def run_lm(ctx: CentralContext, lm: str, T_max: int, results: dict[str, Any]) ->
 
 
 def _lm_row(s: Streams, log: dict[str, list[np.ndarray]], seconds: float) -> dict[str, float]:
-    """Perplexity under the unwatermarked model, mean entropy, share of repeated (prev, token) pairs."""
+    """Perplexity under the unwatermarked model, mean entropy and repetition (:func:`repetition`)."""
     row = {"ppl": float(np.exp(s.extra["nll"].mean())), "entropy": float(s.extra["entropy"].mean()),
-           "repeated_pairs": float(1.0 - first_occurrences(s.tokens, s.prev).mean()), "seconds": seconds}
+           **repetition(s), "seconds": seconds}
     if log:
         row["kl_mean"] = float(np.concatenate(log["kl"]).mean())
         row["kl_max"] = float(np.concatenate(log["kl"]).max())
@@ -194,8 +194,12 @@ def headline(p: WatermarkParams, results: dict[str, Any]) -> dict[str, float]:
     for (name, regime), det in results["detection"].items():
         for T in sorted(p.tokens):
             out[f"tpr_at_{pct}/{name}/{regime}/T{T}"] = float(det.tpr[T - 1])
+            out[f"fpr_heldout/{name}/{regime}/T{T}"] = float(det.fpr_heldout[T - 1])
+            out[f"fpr_nominal/{name}/{regime}/T{T}"] = det.fpr_nominal[T]
             if name == first:
                 out[f"tpr_at_{pct}/{regime}/T{T}"] = float(det.tpr[T - 1])
+                out[f"fpr_heldout/{regime}/T{T}"] = float(det.fpr_heldout[T - 1])
+                out[f"fpr_nominal/{regime}/T{T}"] = det.fpr_nominal[T]
         out[f"tokens_to_tpr90/{name}/{regime}"] = det.tokens_to(0.9)
         if name == first:
             out[f"tokens_to_tpr90/{regime}"] = det.tokens_to(0.9)
@@ -206,7 +210,8 @@ def headline(p: WatermarkParams, results: dict[str, Any]) -> dict[str, float]:
     for (name, regime), d in results["distortion"].items():
         out[f"kl/{name}/{regime}"] = d["kl_mean"]
     for (name, lm), row in results["lm"].items():
-        out[f"ppl/{name}/{lm}"] = row["ppl"]
+        for key in ("ppl", "ppl_first_pairs", "repeated_pairs", "distinct_2", "entropy"):
+            out[f"{key}/{name}/{lm}"] = row[key]
         if "kl_mean" in row:
             out[f"kl/{name}/{lm}"] = row["kl_mean"]
     return out
@@ -234,8 +239,9 @@ def summary_rows(p: WatermarkParams, results: dict[str, Any]) -> list[dict[str, 
         dist = results["distortion"].get((name, regime)) or results["lm"].get((name, regime), {})
         if "kl_mean" in dist:
             row["kl"] = dist["kl_mean"]
-        if "ppl" in dist:
-            row["ppl"] = dist["ppl"]
+        for key in ("ppl", "ppl_first_pairs", "repeated_pairs", "distinct_2"):  # LM text: repetition next to ppl
+            if key in dist:
+                row[key] = dist[key]
         rows.append(row)
     return rows
 
@@ -265,6 +271,10 @@ def plot_tpr(p: WatermarkParams, results: dict[str, Any]) -> Any:
     axes[0][0].legend(loc="lower right")
     fig.tight_layout()
     return fig
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else (1.0 if a == 0 else math.inf)
 
 
 def _regime_entropy(results: dict[str, Any], regime: str) -> float:
@@ -325,8 +335,9 @@ def run_watermark(ctx: CentralContext) -> dict[str, float]:
     ctx.log_table(detection_rows(p, results), "detection")
     ctx.log_table([{"scheme": n, "regime": r, **d} for (n, r), d in results["distortion"].items()], "distortion")
     if results["lm"]:
-        base = {lm: row["ppl"] for (n, lm), row in results["lm"].items() if n == "none"}
-        ctx.log_table([{"scheme": n, "lm": lm, **row, "ppl_change": row["ppl"] - base[lm]}
+        base = {lm: row for (n, lm), row in results["lm"].items() if n == "none"}
+        ctx.log_table([{"scheme": n, "lm": lm, **row, "ppl_change": row["ppl"] - base[lm]["ppl"],
+                        "repeated_pairs_ratio": _ratio(row["repeated_pairs"], base[lm]["repeated_pairs"])}
                        for (n, lm), row in results["lm"].items()], "lm")
     ctx.log_figure(plot_tpr(p, results), "tpr_vs_tokens")
     ctx.log_figure(plot_distortion(p, results), "distortion")

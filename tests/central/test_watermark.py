@@ -10,7 +10,7 @@ import pytest
 
 from fedsim.central_runner import run_central
 from central.watermark.experiment import (Streams, detection_curves, dirichlet_pool, empirical_threshold, entropy,
-                                          score_streams, synthetic_streams)
+                                          repetition, score_streams, synthetic_streams)
 from central.watermark.method import WatermarkParams, check
 from central.watermark.schemes import (SCHEMES, HeavyWater, OTScheme, RedGreen, SchemeConfig, SimplexWater,
                                        make_scheme, top_p_support, tv)
@@ -176,6 +176,26 @@ def test_dedup_scores_each_context_token_pair_once() -> None:
         assert np.mean(np.abs(zs_all)) > 3 * np.mean(np.abs(zs_dedup)), name
 
 
+def test_repetition_counts_repeated_pairs_within_a_sequence_and_distinct_pairs_over_all() -> None:
+    # sequence 0 loops (0,1) (1,2) (2,1) (1,2) (2,1) (1,2): 3 of its 6 pairs are repeats;
+    # sequence 1 has 6 distinct pairs, one of them, (1, 2), also in sequence 0 (not a repeat within it)
+    tokens = np.array([[1, 2, 1, 2, 1, 2], [2, 4, 5, 6, 7, 8]])
+    prev = np.array([[0, 1, 2, 1, 2, 1], [1, 2, 4, 5, 6, 7]])
+    first = np.array([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1]], dtype=bool)
+    nll = np.where(first, 2.0, 0.1)  # repeats are cheap for the model
+    r = repetition(Streams(tokens, prev, {"nll": nll}))
+    assert r["repeated_pairs"] == pytest.approx(3 / 12)
+    assert r["distinct_2"] == pytest.approx(8 / 12)  # (0,1) (1,2) (2,1) + 5 new pairs of sequence 1
+    assert r["ppl_first_pairs"] == pytest.approx(math.exp(2.0))  # the repeats do not lower it
+    assert math.exp(nll.mean()) < r["ppl_first_pairs"]
+    # no repeats anywhere: nothing repeated, every pair distinct; no NLL -> no perplexity
+    plain = repetition(Streams(np.array([[3, 4, 5]]), np.array([[9, 3, 4]])))
+    assert plain == {"repeated_pairs": 0.0, "distinct_2": 1.0}
+    # a previous token above the largest token must not alias another pair: (5, 0) vs (0, 5)
+    alias = repetition(Streams(np.array([[0, 5]]), np.array([[5, 0]])))
+    assert alias["repeated_pairs"] == 0.0 and alias["distinct_2"] == 1.0
+
+
 def test_detection_curves_threshold_and_tpr(null_streams) -> None:
     pool = dirichlet_pool(np.random.default_rng(0), V_NULL, 1.0, 2.0, 16)
     scheme = make_scheme("simplex", V_NULL, 11, CFG)
@@ -232,3 +252,17 @@ def test_small_run_logs_headline_tables_and_plots(tmp_path) -> None:
     # schemes x regimes (low, test, test-dedup: the LM text also scored once per (prev, token) pair) x T
     assert len(summary.tables["detection"]) == 2 * 3 * 2
     assert "tpr_at_1pct/simplex/test-dedup/T20" in m
+    assert m["fpr_heldout/low/T20"] == m["fpr_heldout/simplex/low/T20"] and 0 <= m["fpr_nominal/low/T20"] <= 1
+    # repetition of the LM text, watermarked and not, next to perplexity
+    lm_rows = {r["scheme"]: r for r in summary.tables["lm"]}
+    assert set(lm_rows) == {"none", "simplex", "redgreen"}
+    for name, row in lm_rows.items():
+        for key in ("repeated_pairs", "distinct_2", "ppl_first_pairs"):
+            assert m[f"{key}/{name}/test"] == row[key], (name, key)
+        assert 0 <= row["repeated_pairs"] < 1 and 0 < row["distinct_2"] <= 1 and row["ppl_first_pairs"] > 1
+        base = lm_rows["none"]["repeated_pairs"]  # the ratio to unwatermarked text (inf if that repeats nothing)
+        want = row["repeated_pairs"] / base if base > 0 else (1.0 if row["repeated_pairs"] == 0 else math.inf)
+        assert row["repeated_pairs_ratio"] == pytest.approx(want)
+    assert lm_rows["none"]["repeated_pairs_ratio"] == 1.0
+    summary_lm = [r for r in summary.tables["summary"] if r["regime"] == "test"]
+    assert summary_lm and all("repeated_pairs" in r and "distinct_2" in r and "ppl" in r for r in summary_lm)
