@@ -94,3 +94,19 @@ def test_the_ppmi_operator_keeps_less_target_class_signal_but_the_whole_offset()
     for op in (tgt.local, tgt.glob):  # a common feature offset passes either operator (nearly) whole
         rows = (op @ torch.ones(tgt.num_nodes, 1)).view(-1)
         assert float(rows.mean()) == pytest.approx(1.0, abs=0.05)
+
+
+def test_the_adaptation_claim_spec_reads_every_child_and_its_control_is_dann_over_source_only() -> None:
+    """experiments/reproduce/imgda_adapt.yaml: the pair where adaptation pays (feature shift 2.0)."""
+    from fedsim import reproduce
+    from fedsim.claim_protocol import read_configurations
+
+    spec = reproduce.load_claim("imgda_adapt")
+    grid = reproduce.settings(spec)
+    assert read_configurations(spec, grid) == set(range(len(grid)))
+    assert "client.params.graph.feature_shift=2.0" in spec.overrides
+    controls = [(c.better["client.params.method"], c.worse["client.params.method"], c.at["client.params.imbalance"])
+                for c in spec.controls.positive]
+    assert controls == [("dann", "source", 1), ("dann", "source", 1)] and all(c.margin > 0 for c in spec.controls.positive)
+    assert {c.better["client.params.method"] for c in spec.claim} == {"imgda"}
+    assert min(spec.seeds) >= 3  # seeds 0-2 chose DANN's settings: the check runs on held-out seeds
