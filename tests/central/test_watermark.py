@@ -206,6 +206,22 @@ def test_detection_curves_threshold_and_tpr(null_streams) -> None:
     assert empirical_threshold(z, 0.01)[0] == 989.0  # exactly 10 of 1000 above
 
 
+def test_the_test_is_randomised_at_a_tied_threshold_so_discrete_scores_run_at_exactly_alpha() -> None:
+    from central.watermark.experiment import detection_rate, tie_probability
+
+    # 1000 null scores: 6 at 3, 20 at 2, the rest 0; at alpha = 1% the threshold is 2 and 4 of its
+    # 20 ties must count: gamma = (10 - 6) / 20
+    null = np.concatenate([np.full(6, 3.0), np.full(20, 2.0), np.zeros(974)])[:, None]
+    thr = empirical_threshold(null, 0.01)
+    gamma = tie_probability(null, thr, 0.01)
+    assert thr[0] == 2.0 and gamma[0] == pytest.approx(0.2)
+    assert detection_rate(null, thr, gamma)[0] == pytest.approx(0.01)  # strict '>' gave 0.006
+    wm = np.array([3.0, 2.0, 2.0, 0.0])[:, None]
+    assert detection_rate(wm, thr, gamma)[0] == pytest.approx((1 + 2 * 0.2) / 4)
+    continuous = np.arange(1000.0)[:, None]  # no ties: the plain '>' test
+    assert tie_probability(continuous, empirical_threshold(continuous, 0.01), 0.01)[0] == 0.0
+
+
 def test_entropy_bins_are_respected() -> None:
     pool = dirichlet_pool(np.random.default_rng(0), 128, 0.2, 0.6, 50)
     H = entropy(pool)
