@@ -119,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--seeds", type=_seed_count, help="number of seeds (0..N-1) instead of the spec's list")
     rep.add_argument("--tracking-uri", help="MLflow tracking URI")
     rep.add_argument("--resume", metavar="PARENT_RUN_ID", type=_run_id,
-                     help="continue an interrupted claim check: finished runs are read back, the rest run")
+                     help="continue an interrupted claim check, or raise its seeds (a spec with more seeds; "
+                          "recorded as a post-hoc raise): finished runs are read back, the rest run")
     rep.add_argument("--plan", action="store_true",
                      help="print the runs (tuning and final) and an estimated time, then exit; records nothing")
     rep.add_argument("--scale", default="default", metavar="{quick,default,paper}",

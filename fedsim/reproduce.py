@@ -405,7 +405,7 @@ def run_claim(
         if not tracking.enabled:
             raise ConfigError("--resume continues an MLflow parent run, so it needs tracking")
         parent = MlflowRecorder.reopen(tracking_uri, resume_parent)
-        done = _finished_children(parent, params)
+        done = _finished_children(parent, params, spec.description)
     elif tracking.enabled:
         parent = MlflowRecorder(tracking_uri, tracking.experiment, run_name=f"reproduce-{Path(name).stem}",
                                 tags={"experiment": f"reproduce/{name}", "kind": "claim-check",
@@ -565,14 +565,40 @@ def _run_tuning(spec: ClaimSpec, jobs: list[Job], cfgs: list[Any], execute: Call
     return chosen
 
 
-def _finished_children(parent: Any, params: dict[str, Any]) -> dict[str, Any]:
-    """The parent's children by run name (the latest per name), after checking the spec matches."""
-    logged = parent.client.get_run(parent.run_id).data.params
+#: Parent tag: how its seeds were raised after a first result (``--resume`` with more seeds), e.g. "5 -> 12".
+SEEDS_RAISED_TAG = "fedsim.seeds_raised"
+
+
+def _finished_children(parent: Any, params: dict[str, Any], description: str = "") -> dict[str, Any]:
+    """The parent's children by run name (the latest per name), after checking the spec matches.
+
+    More seeds than the parent ran is a raise of a finished check (its runs are read back, the new
+    seeds run): allowed, and recorded on the parent (:data:`SEEDS_RAISED_TAG`, shown in results.md)
+    so the post-hoc raise is disclosed; the parent's description becomes the spec's current one.
+    """
+    run = parent.client.get_run(parent.run_id)
+    logged = run.data.params
     for key in ("claim", "grid", "overrides", "seeds", "tune"):
         if key in logged and logged[key] != str(params.get(key, ""))[:500]:
+            if key == "seeds" and int(params["seeds"]) > int(logged["seeds"]):
+                continue
             raise ConfigError(f"--resume {parent.run_id}: that claim check ran with {key}={logged[key]!r}, "
-                              f"not {str(params[key])!r}; resume it with the same claim and overrides")
+                              f"not {str(params[key])!r}; resume it with the same claim and overrides "
+                              "(more seeds are allowed: a recorded raise)")
+    raised = run.data.tags.get(SEEDS_RAISED_TAG)  # "5 -> 12", or None
+    ran = int(raised.rsplit("-> ", 1)[-1]) if raised else int(logged.get("seeds", params["seeds"]))
+    if int(params["seeds"]) > ran:
+        parent.set_tag(SEEDS_RAISED_TAG, f"{raised or ran} -> {params['seeds']}")
+        if description:
+            parent.set_tag("mlflow.note.content", description)
     return children_by_name(parent)
+
+
+def seeds_raised_note(parent: Any) -> str:
+    """The results.md line that discloses a post-hoc seed raise ("" when there was none)."""
+    raised = parent.client.get_run(parent.run_id).data.tags.get(SEEDS_RAISED_TAG)
+    return (f"Seeds raised after a first result (post hoc, `--resume` with more seeds): {raised}. "
+            "The earlier seeds' runs are read back, not rerun.") if raised else ""
 
 
 def children_by_name(parent: Any) -> dict[str, Any]:
@@ -700,7 +726,9 @@ def _log_results(parent: Any, name: str, spec: ClaimSpec, results: list[ConfigRe
             for i, (fin, bm) in enumerate(zip(r.finals, r.best_moving)):
                 extras = [r.extras.get(k, [])[i] if i < len(r.extras.get(k, [])) else "" for k in spec.extra_metrics]
                 writer.writerow([r.label, i, fin, bm, *extras])
-    md = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    raised = seeds_raised_note(parent)
+    md = [raised, ""] if raised else []
+    md += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     md += ["| " + " | ".join(row.get(c, "") for c in cols) + " |" for row in rows]
     has_protocol = getattr(spec, "has_protocol", False) or getattr(spec, "tune", None) is not None
     if has_protocol:

@@ -110,6 +110,19 @@ def test_an_interrupted_claim_check_resumes_where_it_stopped(tmp_path, tracking_
     assert client.get_run(parent_id).info.status == "FINISHED"
     with pytest.raises(ConfigError, match="that claim check ran with"):
         run_claim("c", load_claim(str(path), seeds=1), tracking_uri=tracking_uri, resume_parent=parent_id)
+    # more seeds: a raise of the finished check, its runs read back and the raise disclosed
+    raised: list[str] = []
+
+    def counting_raise(cfg, **kw):
+        raised.append(kw["run_name"])
+        return run_experiment(cfg, **kw)
+
+    more, _ = run_claim("c", load_claim(str(path), seeds=3), tracking_uri=tracking_uri, run_one=counting_raise,
+                        resume_parent=parent_id)
+    assert raised == ["lr=0.05 | seed 2", "lr=0.2 | seed 2"] and [r.finals[:2] for r in more] == [r.finals for r in full]
+    assert client.get_run(parent_id).data.tags["fedsim.seeds_raised"] == "2 -> 3"
+    table = Path(client.download_artifacts(parent_id, "results.md")).read_text()
+    assert table.startswith("Seeds raised after a first result (post hoc, `--resume` with more seeds): 2 -> 3.")
 
 
 def test_client_failures_are_counted_live_and_when_read_back(tmp_path, tracking_uri) -> None:
