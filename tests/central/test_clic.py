@@ -1,5 +1,5 @@
 """CLIC: rendering and captions, slot-level hard negatives, the three losses, the frozen image tower,
-the schedule, determinism of the run and the parameter checks."""
+the schedule, the image-tower probe, determinism of the run, the parameter checks and the claim spec."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from central.clic.batches import Sampler, stack_pair
 from central.clic.losses import clic_loss, clip_loss, negclip_loss
 from central.clic.model import ModelSpec, build
 from central.clic.negatives import EVAL_TYPES, eval_negative, swap_between, swap_within
+from central.clic.probe import oracle, probe, scene_of
 from central.clic.run import ClicParams, check
 from central.clic.tokens import encode, word_tokenizer
 from central.clic.train import FinetuneSpec, clip_loss_pattern, finetune, lr_at
@@ -266,7 +267,7 @@ def test_stack_pair_stacks_the_two_images_in_either_order() -> None:
 TINY = ["params.steps=4", "params.batch=8", "params.n_colours=4", "params.n_shapes=3", "params.channels=[4,4,8]",
         "params.embed=8", "params.width=8", "params.heads=2", "params.layers=1", "params.vision_steps=4",
         "params.pretrain_steps=4", "params.pretrain_batch=8", "params.eval_renders=1", "params.log_every=2",
-        "params.variants=[clic,negclip]"]
+        "params.variants=[clic,negclip]", "params.probe_pairs=16", "params.probe_renders=2"]
 
 
 def test_same_seed_gives_identical_metrics(tmp_path, monkeypatch) -> None:
@@ -279,6 +280,11 @@ def test_same_seed_gives_identical_metrics(tmp_path, monkeypatch) -> None:
     assert m["eval/itt_acc"] == m["clic/itt_acc"] and "negclip/tot_acc" in m and "pretrained/r1_i2t" in m
     assert 0.0 <= m["eval/tot_acc"] <= 1.0 and m["eval/r5_i2t"] >= m["eval/r1_i2t"]
     assert len(first.tables["variants"]) == 3 and len(first.tables["per_type"]) == 3 * len(EVAL_TYPES)
+    assert 0.0 <= m["probe/pair_oracle"] <= 1.0 and 0.0 <= m["probe/itt_oracle"] <= 1.0
+    assert m["probe/itt_oracle"] == pytest.approx(np.mean([m[f"probe/itt_oracle/{k}"] for k in EVAL_TYPES]))
+    held = split_scenes(World(4, 3, 32, 0.02), 0.2, 0)[1]
+    assert m["retrieval/chance_r1"] == pytest.approx(1 / len(held))
+    assert "claim/min_gain" not in m and not any(k.endswith("/min_gain") for k in m)
     other = run_central(C.load_central_config("clic", TINY, seed=1))
     assert other.metrics != first.metrics
 
@@ -287,7 +293,8 @@ def test_same_seed_gives_identical_metrics(tmp_path, monkeypatch) -> None:
     {"variants": []}, {"variants": ["clic", "clic"]}, {"variants": ["dac"]}, {"steps": 0}, {"batch": 1},
     {"lr": 0.0}, {"uni": -1.0}, {"warmup_frac": 1.0}, {"additional_positives": 3}, {"n_colours": 2},
     {"n_shapes": 6}, {"image_size": 20}, {"heldout_frac": 0.0}, {"width": 10, "heads": 4}, {"channels": [4, 8]},
-    {"hard_negative_freq": 0.0}, {"shuffle_prob": 1.5}, {"pair_layout": "grid"},
+    {"hard_negative_freq": 0.0}, {"shuffle_prob": 1.5}, {"pair_layout": "grid"}, {"probe_pairs": -1},
+    {"probe_renders": 0},
 ])
 def test_bad_params_give_a_one_line_config_error(bad: dict) -> None:
     with pytest.raises(ConfigError) as err:
@@ -299,3 +306,85 @@ def test_cli_rejects_bad_params_in_one_line(capsys) -> None:
     assert main(["run", "clic", "params.steps=0", "--no-tracking"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "steps" in err[0]
+
+
+# -- the image-tower probe -------------------------------------------------------------------------------
+
+def test_scene_of_inverts_every_phrasing() -> None:
+    for scene in WORLD.scenes():
+        assert all(scene_of(s) == scene for s in phrasings(scene))
+    s = sentence(WORLD.scenes()[0], "a", 0)
+    swapped = scene_of(eval_negative(s, "swap_att", WORLD.colours, WORLD.shapes, np.random.default_rng(0)))
+    assert swapped != WORLD.scenes()[0] and swapped.first.shape == WORLD.scenes()[0].first.shape
+
+
+class _Tower:
+    """Stands in for TinyCLIP in the probe: only ``encode_image`` is used."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def encode_image(self, images: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.normalize(self.fn(images), dim=-1)
+
+
+def _pooled_pixels(x: torch.Tensor) -> torch.Tensor:
+    """4x4-pooled pixels of each 32-row scene, summed over the scenes of a stacked pair (so, like the
+    pooled CNN, blind to the pair's random order): sees which colour is where."""
+    return sum(torch.nn.functional.avg_pool2d(x[:, :, i:i + 32], 4).flatten(1) for i in range(0, x.shape[2], 32))
+
+
+PIXELS = _Tower(_pooled_pixels)
+MEAN_RGB = _Tower(lambda x: x.mean(dim=(2, 3)))  # a bag of colours: blind to where things are
+CONSTANT = _Tower(lambda x: torch.ones(len(x), 5))  # sees nothing
+
+
+def test_probe_separates_with_a_seeing_tower_and_not_with_a_blind_one() -> None:
+    train, held = split_scenes(WORLD, 0.25, 0)
+    seeing = probe(PIXELS, WORLD, train, held, 48, 4, np.random.default_rng(0))
+    for kind in ("replace_att", "swap_att", "replace_rel"):  # colour and position are in the pixels
+        assert seeing[f"itt_oracle/{kind}"] > 0.9 and seeing[f"itt_gap/{kind}"] > 0.1
+    assert seeing["pair_oracle/colour"] > 0.8 and seeing["pair_oracle"] > 0.7 and seeing["pair_gap"] > 0
+    bag = probe(MEAN_RGB, WORLD, train, held, 48, 4, np.random.default_rng(0))
+    assert bag["itt_oracle/replace_rel"] < 0.8 and bag["itt_gap/replace_rel"] < 0.01  # where is invisible
+    blind = probe(CONSTANT, WORLD, train, held, 48, 4, np.random.default_rng(0))
+    assert blind["pair_oracle"] == 0.0 and blind["itt_oracle"] == 0.0  # ties are not separations
+    assert abs(blind["pair_gap"]) < 1e-6 and abs(blind["itt_gap"]) < 1e-6
+    assert probe(PIXELS, WORLD, train, held, 48, 4, np.random.default_rng(0)) == seeing  # seeded
+
+
+def test_oracle_counts_an_item_whose_negative_is_itself_as_not_separated() -> None:
+    scenes = [(s,) for s in WORLD.scenes()[:6]]
+    hit, gap = oracle(PIXELS, WORLD, scenes, scenes, 64, np.random.default_rng(1))
+    assert hit.shape == gap.shape == (6,) and np.all(np.abs(gap) < 0.05)  # only centroid noise
+    other = [(s,) for s in WORLD.scenes()[6:12]]
+    hit, gap = oracle(PIXELS, WORLD, scenes, other, 4, np.random.default_rng(1))
+    assert hit.all() and np.all(gap > 0)
+
+
+# -- the claim spec --------------------------------------------------------------------------------------
+
+def test_claim_spec_is_valid_and_every_child_is_read_by_a_verdict() -> None:
+    from fedsim import reproduce
+    from fedsim.central_runner import method_params
+    from fedsim.claim_protocol import read_configurations
+
+    spec = reproduce.load_claim("clic")
+    grid = reproduce.settings(spec)
+    for setting in grid:
+        check(method_params(reproduce.build_config(spec, setting, 0)))
+    assert read_configurations(spec, grid) == set(range(len(grid)))  # no child that no verdict reads
+    assert {g["params.variants"][0] for g in grid} == {"clip", "negclip", "clic"}
+    # the paper's claim: CLIC beats plain CLIP and NegCLIP on ITT and on TOT, and keeps retrieval
+    pairs = {(c.better["params.variants"][0], c.worse["params.variants"][0], c.metric or spec.metric)
+             for c in spec.claim if c.worse}
+    assert pairs == {("clic", w, m) for w in ("clip", "negclip") for m in ("eval/itt_acc", "eval/tot_acc")}
+    assert all(c.margin > 0 for c in spec.claim if c.worse)
+    (keep,) = [c for c in spec.claim if not c.worse]
+    assert (keep.better_metric, keep.worse_metric, keep.at) == ("eval/r1_mean", "pretrained/r1_mean",
+                                                               {"params.variants": ["clic"]})
+    assert -0.05 < keep.margin < 0  # a non-inferiority with a small stated margin
+    assert "min_gain" not in spec.metric and not any("min_gain" in m for m in spec.extra_metrics)
+    assert "probe/pair_oracle" in {m for c in spec.controls.positive for m in c.metrics(spec.metric)}
+    assert spec.controls.floor.value == pytest.approx(1 / 3, abs=1e-3) and spec.controls.ceiling.value < 1
+    assert len(spec.seeds) >= 3 and spec.has_protocol
