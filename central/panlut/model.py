@@ -15,9 +15,15 @@ PAN band:
    the 4 bands), clamped to [0, 1].
 
 Parameters: 4·d_pg⁵ + 4·5·d_sd⁴ + 4·d_ao⁵ (603,612 for d = 9, 9, 9).
+
+Every lookup goes through ``PanLUT.lookup``: the fused gather :func:`central.panlut.lut.interpolate`
+(default, training and inference), or the reference :func:`central.panlut.lut.interpolate_lerp`
+(``PanLUT(..., lookup=interpolate_lerp)``; tests and ``benchmarks/panlut_lookup.py``).
 """
 
 from __future__ import annotations
+
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -28,13 +34,14 @@ from central.panlut.lut import curvature, identity_tables, interpolate, lut_ops_
 BANDS = 4           # multispectral bands (R, G, B, NIR)
 CHANNELS = BANDS + 1  # + PAN
 ROTATIONS = (0, 1, 2, 3)  # multiples of 90°
+Lookup = Callable[[torch.Tensor, Sequence[torch.Tensor]], torch.Tensor]
 
 
-def _pointwise(tables: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def _pointwise(tables: torch.Tensor, x: torch.Tensor, lookup: Lookup = interpolate) -> torch.Tensor:
     """A single (G = 1) LUT applied per pixel: x (B, n, H, W) → (B, C_out, H, W)."""
     b, n, h, w = x.shape
     flat = x.permute(1, 0, 2, 3).reshape(n, 1, b * h * w)
-    out = interpolate(tables, [flat[k] for k in range(n)])[0]          # (B·H·W, C_out)
+    out = lookup(tables, [flat[k] for k in range(n)])[0]          # (B·H·W, C_out)
     return out.reshape(b, h, w, -1).permute(0, 3, 1, 2)
 
 
@@ -45,12 +52,12 @@ def neighbourhood(x: torch.Tensor) -> list[torch.Tensor]:
     return [p[..., :h, :w], p[..., :h, 1:], p[..., 1:, :w], p[..., 1:, 1:]]
 
 
-def sd_stage(tables: torch.Tensor, x: torch.Tensor, rotation: int) -> torch.Tensor:
+def sd_stage(tables: torch.Tensor, x: torch.Tensor, rotation: int, lookup: Lookup = interpolate) -> torch.Tensor:
     """One spatial-details stage: per-channel 4-D LUT over 2×2 neighbourhoods at ``rotation``·90°, clamped."""
     r = torch.rot90(x, rotation, dims=(-2, -1)) if rotation else x
     b, c, h, w = r.shape
     planes = [q.permute(1, 0, 2, 3).reshape(c, b * h * w) for q in neighbourhood(r)]
-    out = interpolate(tables, planes)[..., 0]                           # (C, B·H·W)
+    out = lookup(tables, planes)[..., 0]                                # (C, B·H·W)
     out = out.reshape(c, b, h, w).permute(1, 0, 2, 3)
     if rotation:
         out = torch.rot90(out, -rotation, dims=(-2, -1))
@@ -60,8 +67,9 @@ def sd_stage(tables: torch.Tensor, x: torch.Tensor, rotation: int) -> torch.Tens
 class PanLUT(nn.Module):
     """PGLUT → SDLUT(0°, 90°, 180°, 270°) → AOLUT, all identity-initialised."""
 
-    def __init__(self, pg_dim: int = 9, sd_dim: int = 9, ao_dim: int = 9) -> None:
+    def __init__(self, pg_dim: int = 9, sd_dim: int = 9, ao_dim: int = 9, lookup: Lookup = interpolate) -> None:
         super().__init__()
+        self.lookup = lookup
         self.pg = nn.Parameter(identity_tables(1, CHANNELS, pg_dim, range(BANDS)))
         self.sd = nn.ParameterList([nn.Parameter(identity_tables(CHANNELS, 4, sd_dim, [0])) for _ in ROTATIONS])
         self.ao = nn.Parameter(identity_tables(1, CHANNELS, ao_dim, range(BANDS)))
@@ -71,11 +79,11 @@ class PanLUT(nn.Module):
         return curvature(self.pg) + sum(curvature(t) for t in self.sd) + curvature(self.ao)
 
     def forward(self, ms_up: torch.Tensor, pan: torch.Tensor) -> torch.Tensor:
-        y = _pointwise(self.pg, torch.cat([ms_up, pan], dim=1))
+        y = _pointwise(self.pg, torch.cat([ms_up, pan], dim=1), self.lookup)
         z = torch.cat([y, pan], dim=1)
         for rotation, tables in zip(ROTATIONS, self.sd):
-            z = sd_stage(tables, z, rotation)
-        return _pointwise(self.ao, z).clamp(0.0, 1.0)
+            z = sd_stage(tables, z, rotation, self.lookup)
+        return _pointwise(self.ao, z, self.lookup).clamp(0.0, 1.0)
 
 
 def panlut_params(pg_dim: int, sd_dim: int, ao_dim: int) -> int:

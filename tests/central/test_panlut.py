@@ -13,23 +13,24 @@ from central.image import downsample, sam
 from central.image.degrade import default_sigma
 from central.panlut.baselines import PNN, brovey, gram_schmidt, pnn_params
 from central.panlut.data import PAN_WEIGHTS, RATIO, scene, texture, training_crops
-from central.panlut.lut import curvature, identity_tables, interpolate, interpolate_reference
-from central.panlut.model import PanLUT, panlut_params, sd_stage
+from central.panlut.lut import (curvature, identity_tables, interpolate, interpolate_lerp, interpolate_reference)
+from central.panlut.model import BANDS, CHANNELS, ROTATIONS, PanLUT, panlut_ops_per_pixel, panlut_params, sd_stage
 from fedsim import config as C
 from fedsim.errors import ConfigError
 
 # -- the LUT lookup --------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("lookup", [interpolate, interpolate_lerp], ids=["fused", "reference"])
 @pytest.mark.parametrize("n_in,groups,outputs,dim", [(4, 3, 1, 4), (5, 1, 3, 3), (5, 2, 2, 4)])
-def test_interpolation_equals_the_direct_vertex_loop(n_in, groups, outputs, dim) -> None:
+def test_interpolation_equals_the_direct_vertex_loop(lookup, n_in, groups, outputs, dim) -> None:
     gen = torch.Generator().manual_seed(n_in * 10 + dim)
     tables = torch.rand(groups, outputs, *[dim] * n_in, generator=gen, dtype=torch.float64)
     pts = torch.rand(groups, 12, n_in, generator=gen, dtype=torch.float64)
     pts[:, 0] = 0.0                       # the first vertex
     pts[:, 1] = 1.0                       # the last vertex (bin clamped to dim − 2, frac 1)
     pts[:, 2] = torch.tensor([-0.05, 1.04, 0.5, 1 / (dim - 1), 0.3])[:n_in]  # outside: extrapolated
-    out = interpolate(tables, [pts[..., k] for k in range(n_in)])
+    out = lookup(tables, [pts[..., k] for k in range(n_in)])
     assert out.shape == (groups, 12, outputs)
     for g in range(groups):
         for i in range(12):
@@ -49,8 +50,57 @@ def test_interpolation_hits_table_entries_at_vertices_and_chunks_consistently(mo
     x = [torch.rand(2, 50, dtype=torch.float64) for _ in range(4)]
     whole = interpolate(torch.rand(2, 1, 3, 3, 3, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1)), x)
     monkeypatch.setattr(L, "CHUNK", 7)
-    chunked = interpolate(torch.rand(2, 1, 3, 3, 3, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1)), x)
-    assert torch.equal(whole, chunked)
+    monkeypatch.setattr(L, "FUSED_CHUNK", 7)
+    tables = torch.rand(2, 1, 3, 3, 3, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(whole, interpolate(tables, x)) and torch.equal(whole, interpolate_lerp(tables, x))
+
+
+# Every LUT kind the model uses, at the model's dims and at odd ones: (G, C_out, n, d).
+LUT_KINDS = {"PGLUT": (1, BANDS, CHANNELS, 9), "SDLUT": (CHANNELS, 1, 4, 9), "AOLUT": (1, BANDS, CHANNELS, 9),
+             "PGLUT d3": (1, BANDS, CHANNELS, 3), "SDLUT d17": (CHANNELS, 1, 4, 17), "AOLUT d6": (1, BANDS, CHANNELS, 6)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("kind", list(LUT_KINDS))
+def test_fused_lookup_equals_the_reference_exactly(kind, dtype) -> None:
+    """The fused gather (one index_select of all corners × tables × outputs per chunk) performs the
+    reference's lerps in the same order: bit-identical on random tables and inputs, outside [0, 1]
+    and across chunk boundaries included; gradients agree too."""
+    import central.panlut.lut as L
+
+    g, c_out, n, dim = LUT_KINDS[kind]
+    gen = torch.Generator().manual_seed(sum(map(ord, kind)))
+    npx = 2 * L.FUSED_CHUNK + 123                       # not a multiple of either chunk size
+    tables = torch.randn(g, c_out, *[dim] * n, generator=gen, dtype=dtype)
+    coords = [torch.rand(g, npx, generator=gen, dtype=dtype) * 1.2 - 0.1 for _ in range(n)]
+    for c in coords:                                    # exact vertices and the border
+        c[:, :dim] = torch.arange(dim, dtype=dtype) / (dim - 1)
+    fused, ref = interpolate(tables, coords), interpolate_lerp(tables, coords)
+    assert fused.shape == ref.shape == (g, npx, c_out) and fused.dtype == dtype
+    assert torch.equal(fused, ref)
+    t1, t2 = tables.clone().requires_grad_(), tables.clone().requires_grad_()
+    x1 = [c[:, :300].clone().requires_grad_() for c in coords]
+    x2 = [c[:, :300].clone().requires_grad_() for c in coords]
+    w = torch.randn(g, 300, c_out, generator=gen, dtype=dtype)
+    (interpolate(t1, x1) * w).sum().backward()
+    (interpolate_lerp(t2, x2) * w).sum().backward()
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    assert torch.allclose(t1.grad, t2.grad, atol=tol)
+    assert all(torch.allclose(a.grad, b.grad, atol=tol) for a, b in zip(x1, x2))
+
+
+def test_fused_panlut_forward_equals_the_reference_forward() -> None:
+    gen = torch.Generator().manual_seed(3)
+    fused = PanLUT(9, 9, 9)
+    with torch.no_grad():
+        for p in fused.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    ref = PanLUT(9, 9, 9, lookup=interpolate_lerp)
+    ref.load_state_dict(fused.state_dict())
+    ms, pan = torch.rand(2, BANDS, 37, 29, generator=gen), torch.rand(2, 1, 37, 29, generator=gen)
+    with torch.inference_mode():
+        assert torch.equal(fused(ms, pan), ref(ms, pan))
+    assert len(ROTATIONS) == 4 and panlut_ops_per_pixel() == 1300
 
 
 def test_gradients_reach_tables_and_coordinates() -> None:
@@ -178,7 +228,7 @@ TINY = ["params.methods=[panlut,pnn,gs,brovey]", "params.test_images=[chelsea]",
         "params.max_side=64", "params.crop=32", "params.crops_per_image=4", "params.batch=2", "params.steps=3",
         "params.pg_dim=3", "params.sd_dim=3", "params.ao_dim=3", "params.throughput_image=none",
         "params.grid_crop=32", "params.log_every=1"]
-TIMING = ("mpix_per_s/", "eval/mpix_per_s", "claim/speedup")
+TIMING = ("mpix_per_s/", "mpix_ratio/", "eval/mpix_per_s", "claim/speedup")
 
 
 def _run(overrides: list[str], seed: int = 0):
@@ -192,7 +242,9 @@ def test_same_seed_same_metrics_and_untrained_models_equal_bicubic() -> None:
     quality = {k: v for k, v in a.metrics.items() if not k.startswith(TIMING)}
     assert quality == {k: v for k, v in b.metrics.items() if not k.startswith(TIMING)}
     assert {"psnr/panlut", "sam/pnn", "ergas/gs", "psnr/brovey", "claim/psnr_gap_db", "eval/psnr"} <= set(a.metrics)
-    assert a.metrics["claim/params_below_700k"] == 1.0 and a.metrics["params/panlut"] == panlut_params(3, 3, 3)
+    assert a.metrics["params/panlut"] == panlut_params(3, 3, 3)
+    assert not any(k.endswith("params_below_700k") for k in a.metrics)   # no 0/1 claim flags
+    assert a.metrics["claim/ops_ratio"] == a.metrics["ops_per_px/pnn"] / a.metrics["ops_per_px/panlut"]
     assert {"per_image", "claim", "training_curves"} <= set(a.tables)
     c = _run([], seed=1)
     assert c.metrics["psnr/pnn"] != a.metrics["psnr/pnn"]
@@ -211,6 +263,7 @@ def test_same_seed_same_metrics_and_untrained_models_equal_bicubic() -> None:
     ("params.lr_lut=0", "lr_lut"),
     ("params.smooth=-1", "smooth"),
     ("params.throughput_image=moon", "throughput_image"),
+    ("params.timing_repeats=0", "timing_repeats"),
 ])
 def test_bad_params_give_one_line_config_errors(override, match) -> None:
     cfg = C.load_central_config("panlut", TINY + [override], 0)
@@ -226,3 +279,35 @@ def test_default_experiment_params_are_valid() -> None:
 
     check(p)
     assert panlut_params(p.pg_dim, p.sd_dim, p.ao_dim) < 700_000
+
+
+def test_throughput_is_timed_alike_for_every_method_and_logged_with_its_size_ratio() -> None:
+    r = _run(["params.methods=[panlut,pnn,brovey]", "params.test_images=[chelsea,coffee]",
+              "params.train_images=[astronaut]", "params.throughput_image=coffee", "params.timing_repeats=2"])
+    for m in ("panlut", "pnn", "brovey"):
+        assert r.metrics[f"mpix_per_s/{m}"] > 0 and r.metrics[f"mpix_ratio/{m}"] > 0
+    assert r.metrics["claim/speedup"] == pytest.approx(r.metrics["mpix_per_s/panlut"] / r.metrics["mpix_per_s/pnn"])
+    assert all(row["repeats"] == 2 for row in r.tables["per_image"])
+
+
+def test_claim_spec_is_valid_and_every_child_is_read_by_a_verdict() -> None:
+    from fedsim import reproduce
+    from fedsim.claim_protocol import read_configurations
+    from central.panlut.run import check
+
+    spec = reproduce.load_claim("panlut")
+    grid = reproduce.settings(spec)
+    for setting in grid:
+        check(method_params(reproduce.build_config(spec, setting, 0)))
+    assert read_configurations(spec, grid) == set(range(len(grid)))  # no child that no verdict reads
+    assert spec.metric == "eval/psnr" and len(spec.seeds) >= 3 and spec.has_protocol
+    by_metric = {c.metrics(spec.metric): c for c in spec.claim}
+    quality = by_metric[("psnr/panlut", "psnr/pnn")]              # non-inferiority within 1 dB
+    assert quality.margin == -1.0 and quality.kind == "superiority" and quality.higher_is_better
+    assert ("mpix_per_s/panlut", "mpix_per_s/pnn") in by_metric
+    params = by_metric[("params/panlut",)]
+    assert params.worse_value == 700_000 and not params.higher_is_better
+    assert by_metric[("claim/ops_ratio",)].worse_value > 1 and by_metric[("claim/speedup",)].worse_value >= 1
+    assert not any("below_700k" in m for c in [*spec.claim, *spec.controls.positive] for m in c.metrics(spec.metric))
+    assert spec.controls.positive and spec.controls.floor.value is not None and spec.controls.floor.source
+    assert spec.minutes_per_run and "noisy" in spec.description.lower()
