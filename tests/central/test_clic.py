@@ -365,15 +365,9 @@ def test_oracle_counts_an_item_whose_negative_is_itself_as_not_separated() -> No
 # -- the claim spec --------------------------------------------------------------------------------------
 
 def test_claim_spec_is_valid_and_every_child_is_read_by_a_verdict() -> None:
-    from fedsim import reproduce
-    from fedsim.central_runner import method_params
-    from fedsim.claim_protocol import read_configurations
+    from tests.central.claim_spec import checked_claim_spec
 
-    spec = reproduce.load_claim("clic")
-    grid = reproduce.settings(spec)
-    for setting in grid:
-        check(method_params(reproduce.build_config(spec, setting, 0)))
-    assert read_configurations(spec, grid) == set(range(len(grid)))  # no child that no verdict reads
+    spec, grid = checked_claim_spec("clic", check)
     assert {g["params.variants"][0] for g in grid} == {"clip", "negclip", "clic"}
     # the paper's claim: CLIC beats plain CLIP and NegCLIP on ITT and on TOT, and keeps retrieval
     pairs = {(c.better["params.variants"][0], c.worse["params.variants"][0], c.metric or spec.metric)

@@ -260,16 +260,10 @@ def test_headline_keys_per_method_plain_keys_for_the_first_and_the_dark_input() 
 
 
 def test_claim_spec_is_valid_every_child_is_read_and_its_metrics_are_logged() -> None:
-    from fedsim import reproduce
-    from fedsim.central_runner import method_params
-    from fedsim.claim_protocol import read_configurations
+    from tests.central.claim_spec import checked_claim_spec
 
-    spec = reproduce.load_claim("lasq")
-    grid = reproduce.settings(spec)
-    for setting in grid:
-        check(method_params(reproduce.build_config(spec, setting, 0)))
+    spec, grid = checked_claim_spec("lasq", check)
     comparisons = [*spec.claim, *spec.controls.positive]
-    assert read_configurations(spec, grid) == set(range(len(grid)))  # no child that no verdict reads
     # the paper's claims: LASQ beats both unsupervised baselines at the shifted range, and the
     # supervised U-Net loses more under the shift (a lower psnr/drop is better)
     sides = {(c.better["params.methods"][0], c.worse["params.methods"][0], c.metric or spec.metric,

@@ -291,15 +291,10 @@ def test_throughput_is_timed_alike_for_every_method_and_logged_with_its_size_rat
 
 
 def test_claim_spec_is_valid_and_every_child_is_read_by_a_verdict() -> None:
-    from fedsim import reproduce
-    from fedsim.claim_protocol import read_configurations
     from central.panlut.run import check
+    from tests.central.claim_spec import checked_claim_spec
 
-    spec = reproduce.load_claim("panlut")
-    grid = reproduce.settings(spec)
-    for setting in grid:
-        check(method_params(reproduce.build_config(spec, setting, 0)))
-    assert read_configurations(spec, grid) == set(range(len(grid)))  # no child that no verdict reads
+    spec, grid = checked_claim_spec("panlut", check)
     assert spec.metric == "eval/psnr" and len(spec.seeds) >= 3 and spec.has_protocol
     by_metric = {c.metrics(spec.metric): c for c in spec.claim}
     quality = by_metric[("psnr/panlut", "psnr/pnn")]              # non-inferiority within 1 dB
