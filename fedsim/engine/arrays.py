@@ -81,7 +81,10 @@ def _plain_array(dtype: str, shape: tuple[int, ...], stype: str, data: bytes) ->
 
 def resident_record(state: dict[str, torch.Tensor]) -> ArrayRecord:
     """An ``ArrayRecord`` of :class:`ResidentArray` copies of ``state``'s tensors (key order kept)."""
-    record = ArrayRecord()  # filled item by item: ArrayRecord(dict) would copy into serialised Arrays
-    for k, v in state.items():
-        record[k] = ResidentArray(v.detach().cpu().numpy().copy())
+    record = ArrayRecord()  # ArrayRecord(dict) would copy into serialised Arrays
+    if not all(type(k) is str for k in state):
+        raise TypeError(f"ArrayRecord keys must be str, got {sorted({type(k).__name__ for k in state})}")
+    # stored directly: every value is an Array and every key a str, what ArrayRecord.__setitem__ checks
+    record.__dict__["_data"].update((k, ResidentArray(v.detach().cpu().numpy().copy())) for k, v in state.items())
+    record.is_dirty = True
     return record

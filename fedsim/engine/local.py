@@ -9,10 +9,12 @@ Flower's runtimes report them.
 Deadlines: the clients of a simulated round conceptually run in parallel, so each call gets a
 budget of its own, counted from its own start: ``min(engine.client_timeout_s, round_timeout_s)``
 (:func:`~fedsim.engine.runtime.client_call_limit`; the round timeout when unset), and a hanging
-client costs its own slot only (the calls after it run normally).  Each call runs in a daemon thread
-waited for with that limit; one that overruns is abandoned with a timeout reply, and since the
-abandoned thread may still be using the learner, the next call builds a fresh one.  The wall time of
-a sequential round is therefore at most (calls × limit), its simulated length at most the limit.
+client costs its own slot only (the calls after it run normally).  A round's calls run back to back
+on a long-lived daemon thread (:func:`~fedsim.engine.runtime.call_all_with_deadline`) while the
+server thread sleeps until they end or the running call overruns; one that overruns is abandoned
+with a timeout reply, the calls after it go to a fresh thread, and since the abandoned thread may
+still be using the learner, the next call builds a fresh one.  The wall time of a sequential round
+is therefore at most (calls × limit), its simulated length at most the limit.
 
 With ``engine.vectorise`` a round's training messages are answered together by
 :func:`clients.vectorised.train_cohort` (the sequential result to float tolerance): ``true`` wherever
@@ -24,6 +26,7 @@ per-call deadline does not split a batched cohort; the round deadline still boun
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import uuid
 from collections.abc import Iterable
@@ -34,7 +37,7 @@ from flwr.common.constant import SUPERLINK_NODE_ID
 
 from fedsim.engine.driver import DriverGrid, call_client_app, error_reply, task_identity
 from fedsim.contracts.history import RoundObserver
-from fedsim.engine.runtime import (ClientTimeout, RunSpec, build_client_app, call_with_deadline, client_call_limit,
+from fedsim.engine.runtime import (ClientTimeout, RunSpec, build_client_app, call_all_with_deadline, client_call_limit,
                                    release_hangs)
 from fedsim.engine.server import ServerResult, run_server
 from fedsim.registry import ENGINES
@@ -50,8 +53,9 @@ class InProcessGrid(DriverGrid):
     """
 
     def __init__(self, client_app: ClientApp, num_nodes: int, run_id: int = 1,
-                 client_timeout: float | None = None, vectorise_spec: RunSpec | None = None) -> None:
+                 client_timeout: float | None = None, vectorise_spec: RunSpec | None = None, threads: int = 0) -> None:
         self.client_app = client_app
+        self.threads = threads  # torch intra-op threads the client calls run with (engine.threads_per_client)
         self.client_timeout = client_timeout
         self.vectorise_spec = vectorise_spec  # set: train a round's cohort together (engine.vectorise true/auto)
         self._vectorise_refused: str | None = None
@@ -64,9 +68,8 @@ class InProcessGrid(DriverGrid):
         for msg in messages:
             msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex
         cohort = self._train_cohort(messages) if self.vectorise_spec is not None else {}
-        for msg in messages:
-            mid = msg.metadata.message_id
-            self._replies[mid] = cohort[mid] if mid in cohort else self._deliver(msg)
+        self._replies.update(cohort)
+        self._replies.update(self._deliver([m for m in messages if m.metadata.message_id not in cohort]))
         return [m.metadata.message_id for m in messages]
 
     def _train_cohort(self, messages: list[Message]) -> dict[str, Message]:
@@ -125,11 +128,17 @@ class InProcessGrid(DriverGrid):
         limits = [x for x in (self.client_timeout, self._call_timeout) if x is not None]
         return min(limits) if self.client_timeout is not None and limits else None
 
-    def _deliver(self, msg: Message) -> Message:
-        try:
-            return call_with_deadline(lambda: self._call(msg), self.call_limit())
-        except ClientTimeout as exc:  # abandoned (a learner it was inside is dropped for a fresh one)
-            return error_reply(msg, str(exc))
+    def _deliver(self, messages: list[Message]) -> dict[str, Message]:
+        """The replies to ``messages`` (by message id), their ClientApp calls run back to back."""
+        outcomes = call_all_with_deadline([functools.partial(self._call, msg) for msg in messages], self.call_limit(),
+                                          self.threads)
+        replies = {}
+        for msg, (ok, value) in zip(messages, outcomes):
+            if not ok and not isinstance(value, ClientTimeout):
+                raise value  # not a client's failure (those are error replies already): the engine's own
+            # a timed-out call was abandoned (a learner it was inside is dropped for a fresh one)
+            replies[msg.metadata.message_id] = value if ok else error_reply(msg, str(value))
+        return replies
 
     def _call(self, msg: Message) -> Message:
         return call_client_app(self.client_app, msg, self.contexts[msg.metadata.dst_node_id])
@@ -144,7 +153,8 @@ def server_identity(run_id: int) -> contextlib.AbstractContextManager[None]:
                   summary="an in-process Flower Grid: no SuperLink, no Ray, no serialisation")
 def run_local(spec: RunSpec, observers: list[RoundObserver], **server_kwargs) -> ServerResult:
     grid = InProcessGrid(build_client_app(spec), spec.cfg.num_clients, client_timeout=client_call_limit(spec.cfg),
-                         vectorise_spec=spec if spec.cfg.engine.vectorise is not False else None)
+                         vectorise_spec=spec if spec.cfg.engine.vectorise is not False else None,
+                         threads=spec.cfg.engine.threads_per_client)
     try:
         with server_identity(run_id=1):
             return run_server(grid, spec, observers, **server_kwargs)

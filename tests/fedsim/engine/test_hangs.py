@@ -14,7 +14,8 @@ import pytest
 
 from fedsim import config as C
 from fedsim.engine import runtime
-from fedsim.engine.runtime import (ClientTimeout, SimulatedClientFailure, bounded_wait, call_with_deadline,
+from fedsim.engine.runtime import (ClientTimeout, SimulatedClientFailure, bounded_wait, call_all_with_deadline,
+                                   call_with_deadline,
                                    client_call_limit, injected_fault)
 from fedsim.runner import run_experiment
 
@@ -84,6 +85,39 @@ def test_call_with_deadline_returns_raises_and_abandons() -> None:
     assert time.monotonic() - start < 5
     with pytest.raises(ClientTimeout):
         call_with_deadline(lambda: 1, 0.0)  # no budget: not run
+
+
+def test_a_batch_runs_back_to_back_and_a_hang_costs_its_own_slot_only() -> None:
+    """call_all_with_deadline (the local engine's round): outcomes in order, a hang times out alone, the
+    calls after it run on a fresh worker, and no call runs twice."""
+    ran: list[int] = []
+
+    def call(i: int):
+        def run() -> int:
+            ran.append(i)
+            if i == 2:
+                time.sleep(30)
+            if i == 3:
+                raise ValueError("boom")
+            return i
+        return run
+
+    start = time.monotonic()
+    out = call_all_with_deadline([call(i) for i in range(6)], 0.5)
+    assert time.monotonic() - start < 5
+    assert [ok for ok, _ in out] == [True, True, False, False, True, True]
+    assert isinstance(out[2][1], ClientTimeout) and isinstance(out[3][1], ValueError)
+    assert [v for ok, v in out if ok] == [0, 1, 4, 5]
+    time.sleep(0.3)
+    assert ran == [0, 1, 2, 3, 4, 5]  # the abandoned worker started nothing after the hang
+
+
+def test_each_call_of_a_batch_has_its_own_budget() -> None:
+    """Five 0.25 s calls under a 0.6 s limit all succeed: the limit counts from each call's start."""
+    out = call_all_with_deadline([lambda: time.sleep(0.25) or 1] * 5, 0.6)
+    assert out == [(True, 1)] * 5
+    no_budget = call_all_with_deadline([lambda: 1] * 3, 0.0)
+    assert [ok for ok, _ in no_budget] == [False] * 3 and all(isinstance(v, ClientTimeout) for _, v in no_budget)
 
 
 def test_an_abandoned_call_drops_the_learner_only_if_it_was_inside_it() -> None:

@@ -13,7 +13,8 @@ from clients.supervised import SupervisedLearner
 from fedsim import config as C
 from fedsim.cli import main
 from fedsim.engine import server
-from fedsim.engine.grid import non_finite_reason
+from fedsim.engine.arrays import ResidentArray
+from fedsim.engine.grid import finite_array, non_finite_reason
 from fedsim.engine.local import server_identity
 from fedsim.errors import RunFailedError
 from fedsim.runner import run_experiment
@@ -40,6 +41,21 @@ def test_non_finite_reason_names_the_loss_or_the_parameter() -> None:
     assert non_finite_reason(reply(float("nan"), 2.0)) == "non-finite loss (nan): lower client.lr"
     assert non_finite_reason(reply(float("inf"), 2.0)) == "non-finite loss (inf): lower client.lr"
     assert non_finite_reason(reply(0.5, float("-inf"))) == "non-finite parameters (w): lower client.lr"
+
+
+@pytest.mark.parametrize("make", [ResidentArray, lambda a: ArrayRecord({"w": torch.from_numpy(a)})["w"]],
+                         ids=["resident", "serialised"])
+def test_finite_array_finds_every_nan_and_infinity(make) -> None:
+    big = np.full(4, np.finfo(np.float32).max, dtype=np.float32)  # finite, though its sum is not
+    assert finite_array(make(big))
+    for bad in (np.nan, np.inf, -np.inf):
+        arr = np.ones(5, dtype=np.float32)
+        arr[3] = bad
+        assert not finite_array(make(arr))
+    mixed = big.copy()
+    mixed[0] = -np.inf
+    assert not finite_array(make(mixed))
+    assert finite_array(make(np.arange(4, dtype=np.int64)))  # integer arrays are always finite
 
 
 def test_a_huge_learning_rate_fails_the_run_in_one_line(tmp_path, capsys) -> None:
