@@ -90,3 +90,25 @@ def test_node_state_persists_across_rounds() -> None:
         for _ in range(3):
             grid.send_and_receive([Message(RecordDict(), 1, MessageType.QUERY)])
     assert seen == [1, 2, 3]
+
+
+def test_the_rounds_run_with_the_heap_frozen_and_give_it_back(monkeypatch) -> None:
+    """frozen_heap: the objects made before the rounds are out of the collector's scans during them
+    (gc.freeze), given back after, even on error, and a nested freeze is left to its owner."""
+    import gc
+
+    from fedsim.engine.server import frozen_heap
+
+    assert gc.get_freeze_count() == 0
+    with pytest.raises(RuntimeError), frozen_heap():
+        assert gc.get_freeze_count() > 0
+        raise RuntimeError("boom")
+    assert gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with frozen_heap():
+            pass
+        assert gc.get_freeze_count() == frozen  # not unfrozen by the inner run
+    finally:
+        gc.unfreeze()
