@@ -1,0 +1,91 @@
+"""The engine table of ``docs/measurements.md``, generated from ``benchmarks/bench_engine.py --csv`` output.
+
+The benchmark's CSV files are kept in ``docs/perf/`` (one per run; a later file's rows replace an
+earlier one's for the same workload and system).  The table between the ``<!-- perf:engine -->``
+markers is rendered from them, never edited by hand:
+
+    python benchmarks/bench_engine.py --workloads mlp-100,mlp-1000 --repeat 3 --csv docs/perf/engine-YYYY-MM-DD.csv
+    python scripts/perf_table.py            # rewrite the table in docs/measurements.md
+    python scripts/perf_table.py --check    # exit 1 if the table is not what the CSV files give
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+START, END = "<!-- perf:engine start -->", "<!-- perf:engine end -->"
+COLUMNS = ("workload", "system", "total s", "s/round 2..R", "fedsim/raw", "stock Flower/fedsim", "note", "source")
+
+
+def read_rows(files: list[Path]) -> list[dict[str, str]]:
+    """Rows of every CSV, in file-name order; a later file's row replaces an earlier (workload, system)."""
+    rows: dict[tuple[str, str], dict[str, str]] = {}
+    for path in sorted(files):
+        with open(path, newline="") as fh:
+            for row in csv.DictReader(fh):
+                missing = {"workload", "system", "system_name", "total_s"} - set(row)
+                if missing:
+                    raise ValueError(f"{path}: not a bench_engine.py --csv file (no {', '.join(sorted(missing))} column)")
+                rows[(row["workload"], row["system"])] = {**row, "source": path.name}
+    return sorted(rows.values(), key=lambda r: _workload_key(r["workload"]))  # stable: systems keep their order
+
+
+def _workload_key(name: str) -> tuple[str, int]:
+    """Workloads by model name, then by client count (``mlp-100`` before ``mlp-1000``)."""
+    model, _, clients = name.partition("-")
+    return model, int(clients) if clients.isdigit() else 0
+
+
+def _num(text: str, fmt: str, suffix: str = "") -> str:
+    return "" if text in ("", None) else f"{float(text):{fmt}}{suffix}"
+
+
+def render(rows: list[dict[str, str]]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for r in rows:
+        total = "n/a" if r["total_s"] == "" else _num(r["total_s"], ".2f")
+        lines.append("| " + " | ".join([
+            r["workload"], r["system_name"], total, _num(r.get("later_round_s", ""), ".3f"),
+            _num(r.get("fedsim_over_raw", ""), ".2f"), _num(r.get("flower_over_fedsim", ""), ".1f", "x"),
+            r.get("note", ""), f"`{r['source']}`"]) + " |")
+    return "\n".join(lines)
+
+
+def updated(doc: str, table: str) -> str:
+    if START not in doc or END not in doc:
+        raise ValueError(f"the document has no {START} ... {END} block")
+    head, rest = doc.split(START, 1)
+    _, tail = rest.split(END, 1)
+    return f"{head}{START}\n{table}\n{END}{tail}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--csv-dir", type=Path, default=ROOT / "docs" / "perf", help="where the CSV files are")
+    ap.add_argument("--doc", type=Path, default=ROOT / "docs" / "measurements.md", help="the document to update")
+    ap.add_argument("--check", action="store_true", help="exit 1 if the table differs from what the CSVs give")
+    args = ap.parse_args(argv)
+    try:
+        files = sorted(args.csv_dir.glob("engine*.csv"))
+        if not files:
+            raise ValueError(f"no engine*.csv files in {args.csv_dir}; run benchmarks/bench_engine.py --csv first")
+        doc = args.doc.read_text()
+        new = updated(doc, render(read_rows(files)))
+    except (OSError, ValueError) as exc:
+        print(f"perf_table: error: {exc}", file=sys.stderr)
+        return 2
+    if args.check:
+        if new != doc:
+            print(f"perf_table: {args.doc} is out of date; run python scripts/perf_table.py", file=sys.stderr)
+            return 1
+        return 0
+    args.doc.write_text(new)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""scripts/perf_table.py: the engine table of docs/measurements.md is generated from the benchmark's CSVs."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+HEADER = "workload,system,system_name,total_s,rounds_s,later_round_s,accuracy,max_weight_diff,fedsim_over_raw," \
+         "flower_over_fedsim,note,rounds,cpu_count\n"
+
+
+def perf_table():
+    spec = importlib.util.spec_from_file_location("perf_table", ROOT / "scripts" / "perf_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_docs_measurements_engine_table_is_up_to_date() -> None:
+    assert perf_table().main(["--check"]) == 0
+
+
+def test_a_later_file_replaces_a_row_and_hand_edits_are_caught(tmp_path, capsys) -> None:
+    pt = perf_table()
+    (tmp_path / "engine-1.csv").write_text(HEADER + "mlp-1000,raw,raw PyTorch,5.0,,1.6,0.7,,,,,3,2\n"
+                                           "mlp-1000,sequential,\"fedsim local, sequential\",7.0,,2.2,0.7,0,1.4,,,3,2\n"
+                                           "mlp-100,raw,raw PyTorch,0.5,,0.16,0.7,,,,,3,2\n")
+    (tmp_path / "engine-2.csv").write_text(HEADER + "mlp-1000,sequential,\"fedsim local, sequential\",6.0,,2.0,0.7,0,"
+                                           "1.2,,,3,2\n")
+    doc = tmp_path / "m.md"
+    doc.write_text("intro\n<!-- perf:engine start -->\nold\n<!-- perf:engine end -->\nafter\n")
+    args = ["--csv-dir", str(tmp_path), "--doc", str(doc)]
+    assert pt.main([*args, "--check"]) == 1
+    assert pt.main(args) == 0
+    text = doc.read_text()
+    assert text.startswith("intro\n") and text.endswith("\nafter\n") and "old" not in text
+    lines = [ln for ln in text.splitlines() if ln.startswith("| mlp")]
+    assert [ln.split(" | ")[0] for ln in lines] == ["| mlp-100", "| mlp-1000", "| mlp-1000"]  # 100 before 1000
+    assert "| 1.20 |" in lines[2] and "engine-2.csv" in lines[2]  # the later file's row
+    assert pt.main([*args, "--check"]) == 0
+    doc.write_text(text.replace("1.20", "1.10"))
+    assert pt.main([*args, "--check"]) == 1
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys) -> None:
+    pt = perf_table()
+    assert pt.main(["--csv-dir", str(tmp_path), "--doc", str(tmp_path / "m.md")]) == 2
+    assert "no engine*.csv files" in capsys.readouterr().err
+    (tmp_path / "engine-x.csv").write_text("a,b\n1,2\n")
+    (tmp_path / "m.md").write_text("no markers\n")
+    assert pt.main(["--csv-dir", str(tmp_path), "--doc", str(tmp_path / "m.md")]) == 2
+    assert "not a bench_engine.py --csv file" in capsys.readouterr().err
