@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="exit 1 if the table differs from what the CSVs give")
     args = ap.parse_args(argv)
     try:
-        files = sorted(args.csv_dir.glob("engine*.csv"))
+        files = list(args.csv_dir.glob("engine*.csv"))
         if not files:
             raise ValueError(f"no engine*.csv files in {args.csv_dir}; run benchmarks/bench_engine.py --csv first")
         doc = args.doc.read_text()

@@ -46,7 +46,6 @@ level: it weights updates by each client's train loss, which no DP mechanism her
 from __future__ import annotations
 
 import dataclasses
-import gc
 import inspect
 import sys
 import typing
@@ -60,6 +59,7 @@ from flwr.serverapp.strategy import FedAvg
 
 from fedsim.contracts.strategy import StrategyContext
 from fedsim.errors import ConfigError
+from fedsim.heap import frozen_heap
 from fedsim.registry import STRATEGIES
 
 
@@ -140,14 +140,8 @@ class _Stock:
     mean_aggregation = False
 
     def aggregate_train(self, server_round: int, replies: Any) -> Any:
-        frozen = gc.get_freeze_count() > 0
-        if not frozen:
-            gc.freeze()
-        try:
+        with frozen_heap():  # already frozen inside fedsim's round loop; this covers direct callers
             return super().aggregate_train(server_round, replies)  # type: ignore[misc]
-        finally:
-            if not frozen:
-                gc.unfreeze()
 
     def checkpoint_state(self) -> dict[str, torch.Tensor]:
         state: dict[str, torch.Tensor] = {}

@@ -15,13 +15,11 @@ resume logs (``fedsim.runner``), never a logged round that the resume would play
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import logging
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord
@@ -34,6 +32,7 @@ from fedsim.contracts.history import RoundObserver, RoundRecord
 from fedsim.engine.runtime import RunSpec, get_learner, torch_threads
 from fedsim.engine.system import SystemModel
 from fedsim.errors import ConfigError, RunFailedError
+from fedsim.heap import frozen_heap
 from fedsim.run_lifecycle import raise_if_terminated
 from fedsim.registry import STRATEGIES
 from fedsim.seeding import derive_seed
@@ -160,26 +159,6 @@ def run_server(grid: Grid, spec: RunSpec, observers: list[RoundObserver], *,
             close_round(server_round, arrays)
             raise_if_terminated()  # a SIGTERM whose exception the interpreter swallowed (run_lifecycle)
     return ServerResult(arrays.to_torch_state_dict(), records)
-
-
-@contextlib.contextmanager
-def frozen_heap() -> Iterator[None]:
-    """Run the rounds with the objects that exist now (torch, Flower, MLflow, the data) out of the
-    garbage collector's scans (``gc.freeze``), and give them back afterwards.
-
-    A round keeps every reply until it aggregates (about a hundred objects per client), which
-    triggers full collections; each scanned the ~0.5M objects the imports made, 0.25 s per
-    collection, 4% of a 1,000-client sequential run.  Objects made during the rounds are still
-    collected; nothing is frozen when something else (a nested run) already froze the heap.
-    """
-    if gc.get_freeze_count() > 0:
-        yield
-        return
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 def evaluates_at(cfg: C.ExperimentConfig, server_round: int) -> bool:
