@@ -11,6 +11,8 @@ point where it stays sequential although vectorising would be more than 5% faste
 
     python benchmarks/bench_vectorise.py            # the full grid (a few minutes on 2 cores)
     python benchmarks/bench_vectorise.py --quick    # a handful of points
+    python benchmarks/bench_vectorise.py --dp       # under sample-level DP-SGD (Opacus one by one vs the
+                                                    # vectorised cohort, privacy/cohort.py), σ = 1, RDP
 
 Timing: ``--rounds`` rounds (default 3) per engine; the mean time of rounds 2..R (round 1 holds the
 learner's set-up), the median over ``--repeat`` runs.  A point that comes out ``WRONG`` is timed again
@@ -50,7 +52,11 @@ class Point:
         return f"{self.model:<10} {self.clients:>5} cl × {self.per_client:>4} ex, bs {self.batch_size:>3}, {self.optimizer}"
 
 
-def point_config(p: Point, rounds: int, vectorise: str) -> C.ExperimentConfig:
+#: ``--dp``: sample-level DP-SGD with a fixed σ (no calibration in the timing), RDP accounting.
+DP = ["privacy.enabled=true", "privacy.noise_multiplier=1.0", "privacy.accountant=rdp", "privacy.delta=1e-5"]
+
+
+def point_config(p: Point, rounds: int, vectorise: str, dp: bool = False) -> C.ExperimentConfig:
     if p.model == "cnn":
         data = ["data.name=mnist", "model.name=cnn", "client.lr=0.05"]  # 4,000 training images split evenly
     else:
@@ -65,7 +71,7 @@ def point_config(p: Point, rounds: int, vectorise: str) -> C.ExperimentConfig:
         f"client.batch_size={p.batch_size}", "client.local_epochs=1",
         "strategy.name=fedavg", "strategy.fraction_train=1.0", "strategy.fraction_evaluate=0.0",
         "evaluation.server=false", "engine.threads_per_client=1", f"engine.vectorise={vectorise}",
-        "engine.checkpoint=false", "tracking.enabled=false",
+        "engine.checkpoint=false", "tracking.enabled=false", *(DP if dp else []),
     ]
     cfg = C.load_config("fedavg", overrides, {"rounds": rounds, "clients": p.clients, "seed": 0, "engine": "local"})
     cfg.name = "bench-vectorise"
@@ -127,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a handful of points (under a minute)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--dp", action="store_true", help="under sample-level DP-SGD (σ = 1)")
     ap.add_argument("--models", help=f"comma list of models to sweep (default: {','.join(GRID['model'])})")
     args = ap.parse_args(argv)
     quiet_third_party()
@@ -136,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"sequential / vectorised steady round time, torch threads 1, {args.rounds} rounds")
+    table = Table(title=f"sequential / vectorised steady round time{' under DP-SGD' if args.dp else ''}, "
+                        f"torch threads 1, {args.rounds} rounds")
     for col in ("workload", "sequential s", "vectorised s", "seq/vec", "auto picks", "verdict"):
         table.add_column(col, justify="left" if col in ("workload", "auto picks", "verdict") else "right")
     wrong = 0
@@ -144,13 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.models:
         points = [p for p in points if p.model in args.models.split(",")]
     for p in points:
-        seq = steady_round_s(point_config(p, args.rounds, "false"), args.repeat)
-        vec = steady_round_s(point_config(p, args.rounds, "true"), args.repeat)
-        picks = auto_choice(point_config(p, args.rounds, "auto"))
+        seq = steady_round_s(point_config(p, args.rounds, "false", args.dp), args.repeat)
+        vec = steady_round_s(point_config(p, args.rounds, "true", args.dp), args.repeat)
+        picks = auto_choice(point_config(p, args.rounds, "auto", args.dp))
         ratio = seq / vec
         if picks and ratio < 0.95 and args.repeat < 3:  # a loaded machine's spike, or real? time it again
-            seq = steady_round_s(point_config(p, args.rounds, "false"), 3)
-            vec = steady_round_s(point_config(p, args.rounds, "true"), 3)
+            seq = steady_round_s(point_config(p, args.rounds, "false", args.dp), 3)
+            vec = steady_round_s(point_config(p, args.rounds, "true", args.dp), 3)
             ratio = seq / vec
         ok = not (picks and ratio < 0.95)  # within 5% is a tie
         missed = not picks and ratio > 1.05

@@ -28,9 +28,21 @@ steps and 4e-7 after 40 momentum steps of the small CNN; the tests check ``atol=
 * clients are sorted by their number of steps, so the clients still training at any step are a
   prefix of the chunk: the others are simply not computed any more.
 
+Under sample-level DP-SGD (``privacy.level=sample``) each client's round is the one Opacus runs for
+it (:func:`privacy.dp_sgd.private_local_training`), drawn from the same seeds by
+:mod:`privacy.cohort`: the client's Poisson batches (so a batch has a width of its own, padded to
+the chunk's widest; an empty batch is a noise-only step), every example's gradient of the
+cross-entropy (``vmap`` over the batch inside ``vmap`` over clients), clipped to
+``privacy.max_grad_norm``, summed, noised with the client's own σ from its own noise stream and
+divided by its expected batch size, DP-FedProx's proximal gradient added after the noise, then the
+learner's optimiser step; the budget check, the ledger metrics and the privacy state in
+``ctx.state`` are :class:`privacy.facade.PrivateTrainer`'s own (``begin_round``/``end_round``).  A
+chunk holds at most :data:`DP_CHUNK_ELEMENTS` per-example gradient elements.  A cohort with a client
+whose budget is exhausted, or with ghost clipping, is trained one by one.
+
 Valid only where the result is exactly the sequential one (:func:`vectorise_unsupported` says why
-not): a ``SupervisedLearner`` that keeps its ``train``/``_train_plain``/``loss``/``_reply_arrays``,
-no sample-level DP, an SGD or Adam optimiser, no batch-statistics normalisation (BatchNorm, or any
+not): a ``SupervisedLearner`` that keeps its methods named in :data:`KEPT_METHODS`,
+an SGD or Adam optimiser, no batch-statistics normalisation (BatchNorm, or any
 norm with running stats), no active dropout (``vmap`` runs with ``randomness="error"``, so any
 other random op in the forward pass raises rather than silently differing), no adapter models
 (``federated_keys``), no tied parameters, and every client has at least one training example.
@@ -71,9 +83,12 @@ from clients.supervised import SupervisedLearner, make_optimizer, num_local_step
 from fedsim.seeding import seed_torch
 from fedsim.contracts.transforms import apply_transforms
 from fedsim.contracts.wire import TRANSFORM_KEY
+from privacy.cohort import expected_batch_size, noise_draws, poisson_masks, privatise
+from privacy.facade import PrivacyBudgetExhausted, round_seeds
+from privacy.plan import ClientPrivacyPlan
 
 #: Methods a learner must inherit unchanged from SupervisedLearner for the result to be the same.
-KEPT_METHODS = ("train", "_train_plain", "loss", "_reply_arrays")
+KEPT_METHODS = ("train", "_train_plain", "loss", "_reply_arrays", "_train_private", "_proximal_after_noise")
 
 Tensors = dict[str, torch.Tensor]
 
@@ -116,14 +131,20 @@ def vectorise_unsupported(learner: Learner, ctxs: list[NodeContext]) -> str | No
     for name in KEPT_METHODS:
         if getattr(type(learner), name) is not getattr(SupervisedLearner, name):
             return f"{type(learner).__name__} overrides SupervisedLearner.{name}"
-    if learner.sample_level_dp:
-        return "sample-level DP-SGD (Opacus) is not vectorised"
+    if learner.sample_level_dp and learner.cfg.privacy.grad_sample_mode == "ghost":
+        return "DP-SGD with privacy.grad_sample_mode=ghost (ghost clipping) is not vectorised"
     reason = _model_unsupported(learner.model) or _optimizer_unsupported(learner)
     if reason:
         return reason
     for ctx in ctxs:
-        if len(learner.data.client_train(ctx.partition_id, ctx.server_round).y) == 0:
+        n = len(learner.data.client_train(ctx.partition_id, ctx.server_round).y)
+        if n == 0:
             return f"client {ctx.partition_id} has no training examples"
+        if learner.sample_level_dp:
+            try:
+                learner.dp.begin_round(ctx, n)
+            except PrivacyBudgetExhausted as exc:  # it fails on its own, one by one
+                return str(exc)
     return None
 
 
@@ -186,6 +207,15 @@ def batch_schedule(n: int, batch_size: int, steps: int, seed: int) -> torch.Tens
 
 
 @dataclass
+class _PrivateRound:
+    """What Opacus would draw for one client's DP-SGD round (:mod:`privacy.cohort`)."""
+
+    plan: ClientPrivacyPlan
+    noise: list[torch.Tensor]  # per trainable parameter, [steps, *shape]
+    batch_size: int  # the expected batch size the privatised gradient is divided by
+
+
+@dataclass
 class _Client:
     """One client's round: what it received, its data and its batch schedule."""
 
@@ -193,8 +223,9 @@ class _Client:
     ctx: NodeContext
     x: torch.Tensor
     y: torch.Tensor
-    batches: torch.Tensor  # [steps, batch_size] local indices, -1 = padding
+    batches: torch.Tensor  # [steps, width] local indices, -1 = padding
     mu: float  # FedProx's coefficient, 0 without the proximal term
+    dp: _PrivateRound | None = None  # sample-level DP-SGD: the client's Opacus round
 
     @property
     def steps(self) -> int:
@@ -203,10 +234,27 @@ class _Client:
 
 def _plan(learner: SupervisedLearner, arrays: StateDict, ctx: NodeContext) -> _Client:
     x, y = learner.data.client_train(ctx.partition_id, ctx.server_round).to_tensors()
-    steps = num_local_steps(len(y), learner.cfg)
-    batches = batch_schedule(len(y), learner.cfg.client.batch_size, steps, ctx.seed("batches"))
     mu = float(ctx.config[PROXIMAL_MU]) if PROXIMAL_MU in ctx.config else 0.0
-    return _Client(arrays, ctx, x, y, batches, mu)
+    b = learner.cfg.client.batch_size
+    if not learner.sample_level_dp:
+        steps = num_local_steps(len(y), learner.cfg)
+        batches = batch_schedule(len(y), b, steps, ctx.seed("batches"))[:, : min(b, len(y))]
+        return _Client(arrays, ctx, x, y, batches, mu)
+    plan = learner.dp.begin_round(ctx, len(y))
+    batch_seed, noise_seed = round_seeds(ctx)
+    masks = poisson_masks(len(y), b, plan.steps_per_round, batch_seed)
+    params = [p for p in learner.model.parameters() if p.requires_grad]
+    std = plan.noise_multiplier * learner.cfg.privacy.max_grad_norm
+    noise = noise_draws([p.shape for p in params], params[0].dtype, std, plan.steps_per_round, noise_seed)
+    return _Client(arrays, ctx, x, y, _mask_rows(masks), mu, _PrivateRound(plan, noise, expected_batch_size(len(y), b)))
+
+
+def _mask_rows(masks: torch.Tensor) -> torch.Tensor:
+    """``[steps, n]`` batch masks as ``[steps, width]`` rows of example indices (in order), -1 = padding."""
+    counts = masks.sum(1)
+    width = max(1, int(counts.max()))
+    order = torch.argsort((~masks).to(torch.int8), dim=1, stable=True)[:, :width]
+    return torch.where(torch.arange(width) < counts.view(-1, 1), order, -1)
 
 
 def _plain_copy(arrays: StateDict, slots: Tensors) -> bool:
@@ -249,6 +297,17 @@ def _loss_fn(model: nn.Module, proximal: bool) -> Callable[..., torch.Tensor]:
         if proximal:
             value = value + (mu / 2) * sum(((params[n] - anchor[n]) ** 2).sum() for n in params)
         return value
+
+    return loss
+
+
+def _example_loss_fn(model: nn.Module) -> Callable[..., torch.Tensor]:
+    """One example's cross-entropy as a function of its client's parameters (vmapped over the
+    examples of a batch, then over clients): DP-SGD's per-sample gradients."""
+
+    def loss(params: Tensors, consts: Tensors, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = functional_call(model, {**params, **consts}, (x.unsqueeze(0),))
+        return nn.functional.cross_entropy(logits, y.unsqueeze(0))
 
     return loss
 
@@ -305,10 +364,10 @@ class _Chunk:
 
 def _schedule(clients: list[_Client]) -> tuple[torch.Tensor, torch.Tensor]:
     """All steps' batch rows of the concatenated data, [S, C, B], and whether each is real."""
-    steps, width = clients[0].steps, min(clients[0].batches.shape[1], max(len(c.y) for c in clients))
+    steps, width = clients[0].steps, max(c.batches.shape[1] for c in clients)
     local = torch.full((len(clients), steps, width), -1, dtype=torch.long)
     for i, c in enumerate(clients):
-        local[i, : c.steps] = c.batches[:, :width]
+        local[i, : c.steps, : c.batches.shape[1]] = c.batches
     offsets = torch.tensor([0] + [len(c.y) for c in clients]).cumsum(0)[:-1].view(-1, 1, 1)
     real = local >= 0
     index = torch.where(real, local + offsets, 0)
@@ -338,31 +397,88 @@ def _train_chunk(learner: SupervisedLearner, clients: list[_Client]) -> list[Tra
     model = learner.model
     model.train()
     ch = _stack_chunk(learner, clients)
-    proximal = bool(ch.anchor)
-    step_fn = vmap(grad_and_value(_loss_fn(model, proximal)), randomness="error")
     opt = _Optimiser(learner.cfg, ch.params)
-    clip = learner.params.grad_clip
+    private = clients[0].dp is not None
+    step = _private_step(learner, ch, clients) if private else _plain_step(learner, ch)
     losses = torch.zeros(len(ch.active), len(clients), dtype=torch.float64)
     for s, k in enumerate(ch.active):
-        idx = ch.index[s, :k]
-        params = {n: p[:k] for n, p in ch.params.items()}
-        grads, loss = step_fn(params, {n: c[:k] for n, c in ch.consts.items()}, ch.x[idx], ch.y[idx],
-                              ch.mask[s, :k], {n: a[:k] for n, a in ch.anchor.items()}, ch.mu[:k])
-        if clip is not None:
-            grads = _clip(grads, clip)
+        grads, loss = step(s, k)
         opt.step(grads, k)
         losses[s, :k] = loss.detach().double()
     stacked = {**ch.params, **ch.consts}
     results = []
     for i, c in enumerate(clients):
         arrays = {k: stacked[k][i].clone() for k in ch.keys}
-        metrics = {"train_loss": float(losses[: c.steps, i].sum()) / c.steps, "local_steps": float(c.steps),
-                   **ch.transformed[i]}
+        if c.dp is None:
+            mean_loss, extra = float(losses[: c.steps, i].sum()) / c.steps, {}
+        else:  # Opacus' mean over the examples seen (0 if every batch was empty)
+            mean_loss = float(losses[: c.steps, i].sum()) / max(int((c.batches >= 0).sum()), 1)
+            extra = learner.dp.end_round(c.ctx, c.dp.plan, c.steps)
+        metrics = {"train_loss": mean_loss, "local_steps": float(c.steps), **ch.transformed[i], **extra}
         results.append(TrainResult(arrays, num_examples=len(c.y), metrics=metrics))
     return results
 
 
+Step = Callable[[int, int], tuple[Tensors, torch.Tensor]]
+
+
+def _plain_step(learner: SupervisedLearner, ch: _Chunk) -> Step:
+    """Step ``s`` of the first ``k`` clients: their (clipped) gradients and mean batch losses."""
+    proximal = bool(ch.anchor)
+    grad_fn = vmap(grad_and_value(_loss_fn(learner.model, proximal)), randomness="error")
+    clip = learner.params.grad_clip
+
+    def step(s: int, k: int) -> tuple[Tensors, torch.Tensor]:
+        idx = ch.index[s, :k]
+        grads, loss = grad_fn({n: p[:k] for n, p in ch.params.items()}, {n: c[:k] for n, c in ch.consts.items()},
+                              ch.x[idx], ch.y[idx], ch.mask[s, :k], {n: a[:k] for n, a in ch.anchor.items()},
+                              ch.mu[:k])
+        return (grads if clip is None else _clip(grads, clip)), loss
+
+    return step
+
+
+def _private_step(learner: SupervisedLearner, ch: _Chunk, clients: list[_Client]) -> Step:
+    """Step ``s`` of the first ``k`` clients under DP-SGD: Opacus' privatised gradient
+    (:func:`privacy.cohort.privatise`, plus DP-FedProx's proximal gradient after the noise) and the
+    sum of the batch's per-example losses."""
+    grad_fn = vmap(vmap(grad_and_value(_example_loss_fn(learner.model)), in_dims=(None, None, 0, 0)),
+                   randomness="error")
+    names = list(ch.params)
+    noise = {n: ch.params[n].new_zeros((len(ch.active), *ch.params[n].shape)) for n in names}  # [S, C, ...]
+    for i, c in enumerate(clients):
+        assert c.dp is not None
+        for n, draws in zip(names, c.dp.noise, strict=True):
+            noise[n][: c.steps, i] = draws
+    batch_size = torch.tensor([c.dp.batch_size for c in clients if c.dp is not None])
+    max_norm = learner.cfg.privacy.max_grad_norm
+
+    def step(s: int, k: int) -> tuple[Tensors, torch.Tensor]:
+        idx, mask = ch.index[s, :k], ch.mask[s, :k]
+        params = {n: p[:k] for n, p in ch.params.items()}
+        per_sample, losses = grad_fn(params, {n: c[:k] for n, c in ch.consts.items()}, ch.x[idx], ch.y[idx])
+        grads = privatise(per_sample, mask, max_norm, {n: noise[n][s, :k] for n in names}, batch_size[:k])
+        for n, a in ch.anchor.items():
+            mu = ch.mu[:k].view(-1, *[1] * (a.dim() - 1))
+            grads[n] = grads[n] + mu * (params[n] - a[:k])
+        return grads, (losses * mask).sum(1)
+
+    return step
+
+
 # -- public entry point ---------------------------------------------------------------------------
+
+#: DP cohorts hold every example's gradient of a chunk at once (``[clients, batch, parameters]``); a
+#: chunk is cut so that this many elements (16 MiB of float32) fit at the expected batch width
+#: (``bench_vectorise.py --dp``: a 101k-parameter MLP ties sequential DP at 2**22, loses 0.78x at 2**24).
+DP_CHUNK_ELEMENTS = 1 << 22
+
+
+def private_chunk(learner: SupervisedLearner, largest: int) -> int:
+    """The most clients a DP chunk holds: :data:`DP_CHUNK_ELEMENTS` over (parameters x expected batch)."""
+    params = sum(p.numel() for p in learner.model.parameters() if p.requires_grad)
+    return max(1, DP_CHUNK_ELEMENTS // (params * min(largest, learner.cfg.client.batch_size)))
+
 
 def train_cohort(learner: SupervisedLearner, arrays_list: list[StateDict], ctxs: list[NodeContext],
                  chunk: int) -> list[TrainResult]:
@@ -379,6 +495,8 @@ def train_cohort(learner: SupervisedLearner, arrays_list: list[StateDict], ctxs:
         return []
     sizes = [len(learner.data.client_train(c.partition_id, c.server_round).y) for c in ctxs]
     order = sorted(range(len(ctxs)), key=lambda i: -num_local_steps(sizes[i], learner.cfg))
+    if learner.sample_level_dp:
+        chunk = min(chunk, private_chunk(learner, max(sizes)))
     results: list[TrainResult | None] = [None] * len(ctxs)
     for start in range(0, len(order), chunk):
         members = order[start : start + chunk]

@@ -35,6 +35,11 @@ from privacy.plan import ClientPrivacyPlan, plan_client
 DP_STATE = "dp-spent"
 
 
+def round_seeds(ctx: Any) -> tuple[int, int]:
+    """The seeds of a client round's Poisson batches and of its Gaussian noise."""
+    return ctx.seed("dp-batches"), ctx.seed("dp-noise")
+
+
 class PrivacyBudgetExhausted(RuntimeError):
     """The client's next round would take its ε past the target: it does not train."""
 
@@ -77,6 +82,21 @@ class PrivateTrainer:
             raise PrivacyBudgetExhausted(f"client {ctx.partition_id} privacy budget exhausted: another round "
                                          f"would reach ε={eps_next:.3f} > {p.epsilon}")
 
+    def begin_round(self, ctx: Any, num_examples: int) -> ClientPrivacyPlan:
+        """The client's plan for this round, after the budget check (:class:`PrivacyBudgetExhausted`)."""
+        plan = self.plan(ctx.partition_id, num_examples)
+        self.check_budget(ctx, plan)
+        return plan
+
+    def end_round(self, ctx: Any, plan: ClientPrivacyPlan, steps: int) -> dict[str, float]:
+        """Record ``steps`` more DP-SGD steps in ``ctx.state``; the ledger metrics of the train reply."""
+        p = self.cfg.privacy
+        spent = self.spent_steps(ctx) + steps
+        ctx.state[DP_STATE] = MetricRecord({"steps": spent})
+        eps = epsilon_for(plan.noise_multiplier, plan.accounting_rate, spent, p.delta, p.accountant)
+        return {STEPS: float(steps), SAMPLE_RATE: plan.accounting_rate, NOISE: plan.noise_multiplier,
+                CLIENT_EPSILON: eps}
+
     def train_round(self, model: nn.Module, optimizer: torch.optim.Optimizer, data: tuple[torch.Tensor, ...],
                     ctx: Any, *, num_examples: int, loss: Optional[LossFn] = None,
                     criterion: Optional[nn.Module] = None,
@@ -85,18 +105,14 @@ class PrivateTrainer:
 
         ``loss(module, batch)`` is the mean per-example loss of a batch (a tuple like ``data``); the
         default is ``criterion`` (cross-entropy) of ``module(batch[0])`` against ``batch[1]``.  Records
-        the steps in ``ctx.state`` and returns the ledger metrics of the reply.
+        the steps in ``ctx.state`` and returns the ledger metrics of the reply.  (A cohort trained
+        together, :mod:`clients.vectorised`, calls :meth:`begin_round` and :meth:`end_round` itself.)
         """
-        p = self.cfg.privacy
-        plan = self.plan(ctx.partition_id, num_examples)
-        self.check_budget(ctx, plan)
-        spent = self.spent_steps(ctx)
-        result = private_local_training(model, optimizer, data, privacy=p, batch_size=self.cfg.client.batch_size,
+        plan = self.begin_round(ctx, num_examples)
+        batch_seed, noise_seed = round_seeds(ctx)
+        result = private_local_training(model, optimizer, data, privacy=self.cfg.privacy,
+                                        batch_size=self.cfg.client.batch_size,
                                         steps=plan.steps_per_round, noise_multiplier=plan.noise_multiplier,
-                                        batch_seed=ctx.seed("dp-batches"), noise_seed=ctx.seed("dp-noise"),
+                                        batch_seed=batch_seed, noise_seed=noise_seed,
                                         loss=loss, criterion=criterion, after_noise=after_noise)
-        ctx.state[DP_STATE] = MetricRecord({"steps": spent + result.steps})
-        eps = epsilon_for(plan.noise_multiplier, plan.accounting_rate, spent + result.steps, p.delta, p.accountant)
-        metrics = {STEPS: float(result.steps), SAMPLE_RATE: plan.accounting_rate, NOISE: plan.noise_multiplier,
-                   CLIENT_EPSILON: eps}
-        return PrivateRound(result.mean_loss, result.steps, metrics)
+        return PrivateRound(result.mean_loss, result.steps, self.end_round(ctx, plan, result.steps))

@@ -133,7 +133,7 @@ class OtherLoss(SupervisedLearner):
 
 
 @pytest.mark.parametrize("overrides, needle", [
-    (["privacy.enabled=true", "privacy.noise_multiplier=1.0"], "DP"),
+    (["privacy.enabled=true", "privacy.noise_multiplier=1.0", "privacy.grad_sample_mode=ghost"], "ghost"),
     ([*CNN[:1], "model.params={channels: [4], hidden: 8, norm: batch}"], "BatchNorm"),
     ([*MLP[:1], "model.params={hidden: [8], dropout: 0.2}"], "dropout"),
 ])
