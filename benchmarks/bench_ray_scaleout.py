@@ -1,0 +1,163 @@
+"""Ray scale-out, measured: the ``ray`` engine on a local multi-node Ray cluster against the ``local`` engine.
+
+The benchmark starts its own cluster with ``ray.cluster_utils.Cluster`` (Ray's multi-node test
+harness: a head and ``--nodes - 1`` worker nodes, each a separate raylet with ``--cpus-per-node``
+CPUs, all on this machine), runs fedsim's ``ray`` engine on it (``engine.ray.address``, one actor of
+one CPU per node's CPU) and the ``local`` engine (clients one by one, ``engine.vectorise=false``), on
+the same workloads, and prints per workload:
+
+* the steady round time of each (mean of rounds 2..R; round 1 holds actor and learner start-up),
+* ``local / ray`` (the speed-up; above 1 the cluster wins) and the parallel efficiency
+  ``speed-up / actors``,
+* the ray engine's start-up (from the call to the end of round 1, minus a steady round),
+* the crossover: the per-client work (local engine milliseconds per client call) from which ray's
+  steady round beats local's.
+
+The workloads (``--workloads``, ``model:local_epochs``) run 100 clients by default: ``mlp`` is a
+tiny MLP (20-32-4) on synthetic data, 40 examples per client (per-call overhead dominates), ``cnn``
+the small CNN on MNIST's 4,000 training images split evenly; more local epochs is more work per
+client per message at the same per-call overhead.  Both engines give bit-identical results (the
+cross-engine tests), which the benchmark checks on the final accuracy.
+
+    python benchmarks/bench_ray_scaleout.py                          # 2 nodes x 1 CPU
+    python benchmarks/bench_ray_scaleout.py --workloads mlp:1,cnn:4 --rounds 3 --nodes 3
+
+On a machine with fewer free cores than the cluster's CPUs the actors and the driver share cores,
+so the efficiency measured is a floor for a real cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from fedsim import config as C  # noqa: E402
+from fedsim.logs import quiet_third_party  # noqa: E402
+
+
+@dataclass
+class Timing:
+    steady_s: float  # mean round time of rounds 2..R
+    startup_s: float  # call to end of round 1, minus one steady round
+    accuracy: float
+
+
+def workload_config(model: str, epochs: int, clients: int, rounds: int, engine: str,
+                    address: str | None) -> C.ExperimentConfig:
+    if model == "cnn":
+        data = ["data.name=mnist", "model.name=cnn", "client.lr=0.05"]
+    elif model == "mlp":
+        data = ["data.name=synthetic", f"data.params.n_samples={clients * 50}", "data.params.n_features=20",
+                "data.params.n_classes=4", "data.params.class_sep=2.0", "model.name=mlp", "model.params.hidden=[32]",
+                "client.lr=0.1"]
+    else:
+        raise SystemExit(f"unknown workload model {model!r}: use mlp or cnn")
+    overrides = [
+        *data, "data.partition.name=iid", "data.test_fraction=0.2",
+        "data.client_test_fraction=0.0", "client.learner=supervised", "client.momentum=0.9", "client.batch_size=16",
+        f"client.local_epochs={epochs}", "strategy.name=fedavg", "strategy.fraction_train=1.0",
+        "strategy.fraction_evaluate=0.0", "evaluation.server=true", "evaluation.every=1000",
+        "engine.threads_per_client=1", "engine.vectorise=false", "engine.checkpoint=false", "tracking.enabled=false",
+    ]
+    if address is not None:
+        overrides.append(f"engine.ray.address={address}")
+    cfg = C.load_config("fedavg", overrides, {"rounds": rounds, "clients": clients, "seed": 0, "engine": engine})
+    cfg.name = "bench-ray-scaleout"
+    return cfg
+
+
+def timed_run(cfg: C.ExperimentConfig) -> Timing:
+    from fedsim.runner import run_experiment
+
+    class Clock:
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def on_round(self, record: Any) -> None:
+            self.times.append(time.perf_counter())
+
+    clock = Clock()
+    start = time.perf_counter()
+    result = run_experiment(cfg, observers=[clock])
+    t = clock.times  # t[0]: the initial evaluation, t[r]: end of round r
+    steady = (t[-1] - t[1]) / (len(t) - 2)
+    return Timing(steady, (t[1] - start) - steady, float(result.history.final().get("eval/accuracy", float("nan"))))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nodes", type=int, default=2, help="Ray nodes (a head and nodes-1 workers)")
+    ap.add_argument("--cpus-per-node", type=int, default=1)
+    ap.add_argument("--workloads", default="mlp:1,cnn:1,cnn:2,cnn:4,cnn:8",
+                    help="comma list of model:local_epochs (model: mlp or cnn)")
+    ap.add_argument("--clients", type=int, default=100)
+    ap.add_argument("--rounds", type=int, default=4, help="rounds per run (>= 3: rounds 2..R are the steady part)")
+    args = ap.parse_args(argv)
+    if args.rounds < 3:
+        ap.error("--rounds must be at least 3")
+    quiet_third_party()
+    logging.getLogger("fedsim").setLevel(logging.ERROR)
+
+    import ray
+    from ray.cluster_utils import Cluster
+
+    workloads = [(m, int(e)) for m, _, e in (w.partition(":") for w in args.workloads.split(","))]
+    print(f"starting a Ray cluster: {args.nodes} nodes x {args.cpus_per_node} CPU", flush=True)
+    t0 = time.perf_counter()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": args.cpus_per_node, "include_dashboard": False})
+    for _ in range(args.nodes - 1):
+        cluster.add_node(num_cpus=args.cpus_per_node)
+    cluster.wait_for_nodes()
+    print(f"cluster up in {time.perf_counter() - t0:.1f} s at {cluster.address}", flush=True)
+    actors = args.nodes * args.cpus_per_node
+    rows = []
+    try:
+        for model, e in workloads:
+            local = timed_run(workload_config(model, e, args.clients, args.rounds, "local", None))
+            on_ray = timed_run(workload_config(model, e, args.clients, args.rounds, "ray", cluster.address))
+            if ray.is_initialized():
+                ray.shutdown()
+            speedup = local.steady_s / on_ray.steady_s
+            same = local.accuracy == on_ray.accuracy
+            rows.append((f"{model}:{e}", local, on_ray, speedup))
+            print(f"{model}, {e} local epochs: {1e3 * local.steady_s / args.clients:.1f} ms per client; local {local.steady_s:.3f} s/round, ray {on_ray.steady_s:.3f} s/round, local/ray "
+                  f"{speedup:.2f}, efficiency {speedup / actors:.2f}, ray start-up {on_ray.startup_s:.1f} s, "
+                  f"accuracy {'identical' if same else f'DIFFERS {local.accuracy} vs {on_ray.accuracy}'}", flush=True)
+    finally:
+        cluster.shutdown()
+
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"ray engine on {args.nodes} nodes x {args.cpus_per_node} CPU ({actors} actors) vs local "
+                        f"sequential, {args.clients} clients, steady rounds 2..{args.rounds}")
+    for col in ("model:epochs", "ms per client", "local s/round", "ray s/round", "local/ray", "efficiency",
+                "ray start-up s"):
+        table.add_column(col, justify="right")
+    for e, local, on_ray, speedup in rows:
+        table.add_row(e, f"{1e3 * local.steady_s / args.clients:.1f}", f"{local.steady_s:.3f}", f"{on_ray.steady_s:.3f}", f"{speedup:.2f}",
+                      f"{speedup / actors:.2f}", f"{on_ray.startup_s:.1f}")
+    Console(width=140).print(table)
+    per_client = sorted((1e3 * local.steady_s / args.clients, s > 1.0) for _, local, _, s in rows)
+    wins = [ms for ms, won in per_client if won]
+    losses = [ms for ms, won in per_client if not won]
+    if not wins:
+        print("crossover: ray never beat local in this sweep")
+    else:
+        below = [ms for ms in losses if ms < wins[0]]
+        print(f"crossover: ray wins from {wins[0]:.1f} ms of local work per client"
+              + (f" (loses at {below[-1]:.1f} ms)" if below else " (it won at every point)")
+              + ("; it also lost above that, at " + ", ".join(f"{ms:.1f}" for ms in losses if ms > wins[0]) + " ms"
+                 if any(ms > wins[0] for ms in losses) else ""))
+    return 0 if all(l.accuracy == r.accuracy for _, l, r, _ in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
