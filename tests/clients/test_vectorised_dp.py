@@ -9,7 +9,7 @@ import torch
 from flwr.app import RecordDict
 
 from clients.supervised import DP_STATE, SupervisedLearner, SupervisedParams
-from clients.vectorised import train_cohort, vectorise_unsupported
+from clients.vectorised import auto_vectorise, train_cohort, vectorise_unsupported
 from fedsim import config as C
 from fedsim.contracts.learner import NodeContext, StateDict
 from fedsim.contracts.wire import PHOENIX, PHOENIX_RESET_ROUNDS, PHOENIX_SEED, PHOENIX_THETA, PROXIMAL_MU, TRANSFORM_KEY
@@ -124,3 +124,14 @@ def test_ghost_clipping_and_exhausted_budgets_stay_sequential() -> None:
     train_cohort(lrn, [lrn.init_arrays()] * N, cohort, 8)
     reason = vectorise_unsupported(lrn, ctxs(2, states=[c.state for c in cohort]))
     assert reason is not None and "budget exhausted" in reason
+
+
+def test_auto_vectorises_dp_cohorts_of_small_mlps_at_any_step_size(monkeypatch) -> None:
+    import clients.vectorised as vectorised
+
+    lrn = learner(*MLP)
+    monkeypatch.setattr(vectorised, "AUTO_MAX_STEP_WORK", 1)  # the step-size bound does not apply under DP
+    assert auto_vectorise(lrn, ctxs()) is None
+    monkeypatch.setattr(vectorised, "AUTO_MAX_PARAMS", 10)  # the model-size bound does
+    assert "trainable parameters" in (auto_vectorise(lrn, ctxs()) or "")
+    assert "is not a layer" in (auto_vectorise(learner(*CNN), ctxs()) or "")  # convolutions stay one by one
