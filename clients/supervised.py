@@ -44,6 +44,7 @@ from fedsim.contracts.wire import LORA_TRAIN_A, LORA_TRAIN_B, PROXIMAL_MU
 from envs.federated import FederatedData, load_federated_data_cached
 from envs.plots import plot_label_histogram
 from fedsim.config import ExperimentConfig
+from fedsim.device import resolve_device, to_host
 from fedsim.errors import ConfigError
 from fedsim.models import build_model
 from fedsim.registry import LEARNERS
@@ -124,6 +125,7 @@ class SupervisedLearner(Learner):
     """Cross-entropy training of a registered model on labelled arrays from ``envs``."""
 
     supports_dp = True
+    supports_device = True  # model, optimiser state and client data live on engine.device
     privacy_unit = "one training example of one client (a row of its training split)"
     validation_split = True
 
@@ -133,6 +135,9 @@ class SupervisedLearner(Learner):
         self._model: nn.Module | None = None
         self._anchor: list[torch.Tensor] | None = None  # w_global for the proximal term
         self.dp = PrivateTrainer(cfg)  # sample-level DP-SGD (privacy/facade.py)
+        # engine.device (fedsim/device.py); DP-SGD runs on the CPU (an explicit GPU with DP is refused up front)
+        self.device = torch.device("cpu") if self.sample_level_dp else resolve_device(cfg.engine.device)
+        self._on_device: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}  # id(split) -> (split, x, y)
 
     # -- resident state ---------------------------------------------------------------------
     @property
@@ -152,7 +157,7 @@ class SupervisedLearner(Learner):
         model = build_model(self.cfg.model.name, self.cfg.model.params, self.data.input_shape, self.data.num_classes)
         if self.sample_level_dp:
             model = make_dp_compatible(model)
-        return model
+        return model.to(self.device)
 
     def _load(self, arrays: StateDict) -> nn.Module:
         model = self.model
@@ -165,6 +170,16 @@ class SupervisedLearner(Learner):
             model.load_state_dict(arrays, strict=True)
         return model
 
+    def _tensors(self, ds: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """A split's (x, y) on the learner's device (on a GPU, copied there once and kept)."""
+        x, y = ds.to_tensors()
+        if self.device.type == "cpu":
+            return x, y
+        held = self._on_device.get(id(ds))
+        if held is None or held[0] is not ds:
+            held = self._on_device[id(ds)] = (ds, x.to(self.device), y.to(self.device))
+        return held[1], held[2]
+
     def _set_trainable(self, model: nn.Module, ctx: NodeContext) -> None:
         if hasattr(model, "set_trainable"):
             mp = model.params
@@ -176,7 +191,7 @@ class SupervisedLearner(Learner):
         """Everything for plain models; only what was trained for adapter models."""
         state = model.state_dict()
         keys = model.trainable_keys() if hasattr(model, "federated_keys") else list(state)
-        return {k: state[k].detach().clone() for k in keys}
+        return {k: to_host(state[k]) for k in keys}
 
     # -- privacy --------------------------------------------------------------------------------
     def privacy_plan(self, partition_id: int) -> ClientPrivacyPlan:
@@ -239,11 +254,10 @@ class SupervisedLearner(Learner):
         model = self._build_model()
         state = model.state_dict()
         keys = model.federated_keys(include_base=True) if hasattr(model, "federated_keys") else list(state)
-        return {k: state[k].detach().clone() for k in keys}
+        return {k: to_host(state[k]) for k in keys}
 
     def train(self, arrays: StateDict, ctx: NodeContext) -> TrainResult:
-        ds = self.data.client_train(ctx.partition_id, ctx.server_round)
-        x, y = ds.to_tensors()
+        x, y = self._tensors(self.data.client_train(ctx.partition_id, ctx.server_round))
         model = self._load(arrays)
         self._set_trainable(model, ctx)
         self._anchor = ([p.detach().clone() for p in model.parameters() if p.requires_grad]
@@ -284,16 +298,15 @@ class SupervisedLearner(Learner):
         return loss
 
     def evaluate(self, arrays: StateDict, ctx: NodeContext) -> EvalResult:
-        ds = self.data.client_test(ctx.partition_id)
-        x, y = ds.to_tensors()
+        x, y = self._tensors(self.data.client_test(ctx.partition_id))
         metrics = evaluate_model(self._load(arrays), x, y, self.cfg.evaluation.batch_size)
         return EvalResult(num_examples=len(y), metrics=metrics)
 
     def evaluate_global(self, arrays: StateDict) -> dict[str, float]:
-        x, y = self.data.server_test.to_tensors()
+        x, y = self._tensors(self.data.server_test)
         metrics = evaluate_model(self._load(arrays), x, y, self.cfg.evaluation.batch_size)
         if self.data.server_val is not None:  # evaluation.validation_fraction > 0: what tuning selects on
-            xv, yv = self.data.server_val.to_tensors()
+            xv, yv = self._tensors(self.data.server_val)
             metrics.update({f"val/{k}": v for k, v in evaluate_model(self._load(arrays), xv, yv,
                                                                      self.cfg.evaluation.batch_size).items()})
         return metrics

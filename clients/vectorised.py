@@ -80,6 +80,7 @@ from fedsim.config import ExperimentConfig
 from fedsim.contracts.learner import Learner, NodeContext, StateDict, TrainResult
 from fedsim.contracts.wire import PROXIMAL_MU
 from clients.supervised import SupervisedLearner, make_optimizer, num_local_steps, optimizer_for
+from fedsim.device import to_host
 from fedsim.seeding import seed_torch
 from fedsim.contracts.transforms import apply_transforms
 from fedsim.contracts.wire import TRANSFORM_KEY
@@ -236,7 +237,7 @@ class _Client:
 
 
 def _plan(learner: SupervisedLearner, arrays: StateDict, ctx: NodeContext) -> _Client:
-    x, y = learner.data.client_train(ctx.partition_id, ctx.server_round).to_tensors()
+    x, y = learner._tensors(learner.data.client_train(ctx.partition_id, ctx.server_round))
     mu = float(ctx.config[PROXIMAL_MU]) if PROXIMAL_MU in ctx.config else 0.0
     b = learner.cfg.client.batch_size
     if not learner.sample_level_dp:
@@ -390,9 +391,10 @@ def _stack_chunk(learner: SupervisedLearner, clients: list[_Client]) -> _Chunk:
     index, real = _schedule(clients)
     dtype = next(iter(params.values())).dtype
     active = [sum(c.steps > s for c in clients) for s in range(clients[0].steps)]
-    mu = torch.tensor([c.mu for c in clients], dtype=dtype)
+    device = next(iter(params.values())).device
+    mu = torch.tensor([c.mu for c in clients], dtype=dtype, device=device)
     return _Chunk(params, consts, anchor, mu, transformed, torch.cat([c.x for c in clients]),
-                  torch.cat([c.y for c in clients]), index, real.to(dtype), active, list(stacked))
+                  torch.cat([c.y for c in clients]), index.to(device), real.to(device, dtype), active, list(stacked))
 
 
 def _train_chunk(learner: SupervisedLearner, clients: list[_Client]) -> list[TrainResult]:
@@ -403,15 +405,16 @@ def _train_chunk(learner: SupervisedLearner, clients: list[_Client]) -> list[Tra
     opt = _Optimiser(learner.cfg, ch.params)
     private = clients[0].dp is not None
     step = _private_step(learner, ch, clients) if private else _plain_step(learner, ch)
-    losses = torch.zeros(len(ch.active), len(clients), dtype=torch.float64)
+    losses = ch.mu.new_zeros((len(ch.active), len(clients)), dtype=torch.float64)
     for s, k in enumerate(ch.active):
         grads, loss = step(s, k)
         opt.step(grads, k)
         losses[s, :k] = loss.detach().double()
+    losses = losses.cpu()
     stacked = {**ch.params, **ch.consts}
     results = []
     for i, c in enumerate(clients):
-        arrays = {k: stacked[k][i].clone() for k in ch.keys}
+        arrays = {k: to_host(stacked[k][i]) for k in ch.keys}
         if c.dp is None:
             mean_loss, extra = float(losses[: c.steps, i].sum()) / c.steps, {}
         else:  # Opacus' mean over the examples seen (0 if every batch was empty)

@@ -179,6 +179,7 @@ class FaultConfig:
 class EngineConfig:
     name: str = "local"  # local | ray | flower
     threads_per_client: int = rng("[1, 1024]", 1)  # torch threads inside a client call (same in every engine)
+    device: str = "cpu"  # cpu | auto | cuda | cuda:N: where learners keep model and data (fedsim/device.py)
     round_timeout_s: float = rng("(0, 1e6]", 600.0)  # how long the server waits for the replies of one round
     # Per-client deadline: each call gets min(client_timeout_s, round_timeout_s) from its own start
     # (clients of a round run in parallel in simulation); a longer call is a failed client (timeout),
@@ -566,6 +567,9 @@ def validate_engine(e: EngineConfig) -> None:
            f"engine.client_timeout_s must be a finite number > 0 when set, got {e.client_timeout_s}")
     _check(e.vectorise in (True, False, "auto"),
            f"engine.vectorise must be true, false or auto, got {e.vectorise!r}")
+    from fedsim.device import check_device_name
+
+    check_device_name(e.device)
     for pid in e.ray.client_resources:
         _check(pid.isdigit(), f"engine.ray.client_resources: keys are partition ids, got {pid!r}")
     f = e.faults

@@ -83,6 +83,9 @@ class Learner(ABC):
     """Base class of node-side learners; subclasses register under ``fedsim.registry.LEARNERS``."""
 
     supports_dp: bool = False  # True when the learner honours cfg.privacy (DP-SGD)
+    #: True when the learner keeps its model and data on ``engine.device`` (:mod:`fedsim.device`);
+    #: any other learner runs on the CPU and a GPU ``engine.device`` is refused before the run.
+    supports_device: bool = False
     #: Without DP: why (one line, shown when a user asks for --eps); with DP: what one protected unit is.
     privacy_unit: str = ""
     #: True when the learner honours ``evaluation.validation_fraction`` (a server validation split it

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import queue
 import threading
 import time
@@ -286,6 +287,36 @@ def check_learner(cfg: C.ExperimentConfig) -> None:
         why = getattr(learner, "privacy_unit", "")
         raise ConfigError(f"experiment {cfg.name!r} uses learner {cfg.client.learner!r}, which has no differential "
                           f"privacy{f' ({why})' if why else ''}, so --eps / privacy.enabled does not apply; drop it")
+    check_device(cfg, learner)
+
+
+def check_device(cfg: C.ExperimentConfig, learner: type) -> None:
+    """``engine.device`` other than cpu: the learner keeps its model there, the run is not DP-SGD, and
+    the GPU is there (local engine) or the engine gives its clients one (ray, flower)."""
+    device, e = cfg.engine.device, cfg.engine
+    if device == "cpu":
+        return
+    if not getattr(learner, "supports_device", False):
+        if device == "auto":
+            return  # auto: the best this learner can use, the CPU
+        raise ConfigError(f"learner {cfg.client.learner!r} runs on the CPU only; drop engine.device={device} "
+                          f"(or set engine.device=cpu)")
+    if cfg.privacy.enabled and cfg.privacy.level == "sample" and device != "auto":
+        raise ConfigError(f"sample-level DP-SGD runs on the CPU only for now; drop engine.device={device} "
+                          f"(engine.device=auto runs DP on the CPU)")
+    if device == "auto":
+        return
+    if e.name == "ray" and e.ray.actor_num_gpus <= 0:
+        raise ConfigError(f"engine.device={device} on the ray engine needs GPUs for its actors; set "
+                          f"engine.ray.actor_num_gpus (e.g. 0.5 packs two actors on a GPU)")
+    if e.name == "flower" and e.flower.client_num_gpus <= 0:
+        raise ConfigError(f"engine.device={device} on the flower engine needs GPUs for its clients; set "
+                          f"engine.flower.client_num_gpus (e.g. 0.5)")
+    remote = (e.name == "ray" and (e.ray.address or os.environ.get("RAY_ADDRESS"))) or (e.name == "flower" and e.flower.address)
+    if not remote:  # this machine runs the clients: the GPU must be here
+        from fedsim.device import resolve_device
+
+        resolve_device(device)
 
 
 def node_context(msg: Message, context: Context, cfg: C.ExperimentConfig):  # -> clients.NodeContext
