@@ -10,7 +10,8 @@ the same workloads, and prints per workload:
 * ``local / ray`` (the speed-up; above 1 the cluster wins) and the parallel efficiency
   ``speed-up / actors``,
 * the ray engine's start-up (from the call to the end of round 1, minus a steady round),
-* the crossover: the per-client work (local engine milliseconds per client call) from which ray's
+* the same with ``engine.ray.calls_per_task=--batch`` (a round's calls to one actor in batches), and
+* the crossover (unbatched): the per-client work (local engine milliseconds per client call) from which ray's
   steady round beats local's.
 
 The workloads (``--workloads``, ``model:local_epochs``) run 100 clients by default: ``mlp`` is a
@@ -50,7 +51,7 @@ class Timing:
 
 
 def workload_config(model: str, epochs: int, clients: int, rounds: int, engine: str,
-                    address: str | None) -> C.ExperimentConfig:
+                    address: str | None, calls_per_task: int = 1) -> C.ExperimentConfig:
     if model == "cnn":
         data = ["data.name=mnist", "model.name=cnn", "client.lr=0.05"]
     elif model == "mlp":
@@ -67,7 +68,7 @@ def workload_config(model: str, epochs: int, clients: int, rounds: int, engine: 
         "engine.threads_per_client=1", "engine.vectorise=false", "engine.checkpoint=false", "tracking.enabled=false",
     ]
     if address is not None:
-        overrides.append(f"engine.ray.address={address}")
+        overrides += [f"engine.ray.address={address}", f"engine.ray.calls_per_task={calls_per_task}"]
     cfg = C.load_config("fedavg", overrides, {"rounds": rounds, "clients": clients, "seed": 0, "engine": engine})
     cfg.name = "bench-ray-scaleout"
     return cfg
@@ -91,6 +92,18 @@ def timed_run(cfg: C.ExperimentConfig) -> Timing:
     return Timing(steady, (t[1] - start) - steady, float(result.history.final().get("eval/accuracy", float("nan"))))
 
 
+def crossover(points: list[tuple[float, bool]]) -> str:
+    """Where ray starts to win, from (ms of local work per client, ray won) sorted by work."""
+    wins = [ms for ms, won in points if won]
+    if not wins:
+        return "ray never beat local in this sweep"
+    below = [ms for ms, won in points if not won and ms < wins[0]]
+    above = [ms for ms, won in points if not won and ms > wins[0]]
+    out = f"ray wins from {wins[0]:.1f} ms of local work per client"
+    out += f" (loses at {below[-1]:.1f} ms)" if below else " (it won at every point)"
+    return out + (f"; it also lost above that, at {', '.join(f'{ms:.1f}' for ms in above)} ms" if above else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nodes", type=int, default=2, help="Ray nodes (a head and nodes-1 workers)")
@@ -99,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma list of model:local_epochs (model: mlp or cnn)")
     ap.add_argument("--clients", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=4, help="rounds per run (>= 3: rounds 2..R are the steady part)")
+    ap.add_argument("--batch", type=int, default=16,
+                    help="also time ray with engine.ray.calls_per_task=BATCH (1: only unbatched)")
     args = ap.parse_args(argv)
     if args.rounds < 3:
         ap.error("--rounds must be at least 3")
@@ -122,14 +137,18 @@ def main(argv: list[str] | None = None) -> int:
         for model, e in workloads:
             local = timed_run(workload_config(model, e, args.clients, args.rounds, "local", None))
             on_ray = timed_run(workload_config(model, e, args.clients, args.rounds, "ray", cluster.address))
+            batched = (timed_run(workload_config(model, e, args.clients, args.rounds, "ray", cluster.address, args.batch))
+                       if args.batch > 1 else on_ray)
             if ray.is_initialized():
                 ray.shutdown()
             speedup = local.steady_s / on_ray.steady_s
-            same = local.accuracy == on_ray.accuracy
-            rows.append((f"{model}:{e}", local, on_ray, speedup))
+            same = local.accuracy == on_ray.accuracy == batched.accuracy
+            rows.append((f"{model}:{e}", local, on_ray, speedup, batched))
             print(f"{model}, {e} local epochs: {1e3 * local.steady_s / args.clients:.1f} ms per client; local {local.steady_s:.3f} s/round, ray {on_ray.steady_s:.3f} s/round, local/ray "
-                  f"{speedup:.2f}, efficiency {speedup / actors:.2f}, ray start-up {on_ray.startup_s:.1f} s, "
-                  f"accuracy {'identical' if same else f'DIFFERS {local.accuracy} vs {on_ray.accuracy}'}", flush=True)
+                  f"{speedup:.2f}, efficiency {speedup / actors:.2f}, ray start-up {on_ray.startup_s:.1f} s; "
+                  f"batched by {args.batch}: {batched.steady_s:.3f} s/round, local/ray {local.steady_s / batched.steady_s:.2f}; "
+                  f"accuracy {'identical' if same else f'DIFFERS {local.accuracy} vs {on_ray.accuracy} vs {batched.accuracy}'}",
+                  flush=True)
     finally:
         cluster.shutdown()
 
@@ -139,24 +158,21 @@ def main(argv: list[str] | None = None) -> int:
     table = Table(title=f"ray engine on {args.nodes} nodes x {args.cpus_per_node} CPU ({actors} actors) vs local "
                         f"sequential, {args.clients} clients, steady rounds 2..{args.rounds}")
     for col in ("model:epochs", "ms per client", "local s/round", "ray s/round", "local/ray", "efficiency",
-                "ray start-up s"):
+                "ray start-up s", f"ray, {args.batch} calls/task", "local/ray batched", "efficiency batched"):
         table.add_column(col, justify="right")
-    for e, local, on_ray, speedup in rows:
-        table.add_row(e, f"{1e3 * local.steady_s / args.clients:.1f}", f"{local.steady_s:.3f}", f"{on_ray.steady_s:.3f}", f"{speedup:.2f}",
-                      f"{speedup / actors:.2f}", f"{on_ray.startup_s:.1f}")
+    for e, local, on_ray, speedup, batched in rows:
+        fast = local.steady_s / batched.steady_s
+        table.add_row(e, f"{1e3 * local.steady_s / args.clients:.1f}", f"{local.steady_s:.3f}", f"{on_ray.steady_s:.3f}",
+                      f"{speedup:.2f}", f"{speedup / actors:.2f}", f"{on_ray.startup_s:.1f}", f"{batched.steady_s:.3f}",
+                      f"{fast:.2f}", f"{fast / actors:.2f}")
     Console(width=140).print(table)
-    per_client = sorted((1e3 * local.steady_s / args.clients, s > 1.0) for _, local, _, s in rows)
-    wins = [ms for ms, won in per_client if won]
-    losses = [ms for ms, won in per_client if not won]
-    if not wins:
-        print("crossover: ray never beat local in this sweep")
-    else:
-        below = [ms for ms in losses if ms < wins[0]]
-        print(f"crossover: ray wins from {wins[0]:.1f} ms of local work per client"
-              + (f" (loses at {below[-1]:.1f} ms)" if below else " (it won at every point)")
-              + ("; it also lost above that, at " + ", ".join(f"{ms:.1f}" for ms in losses if ms > wins[0]) + " ms"
-                 if any(ms > wins[0] for ms in losses) else ""))
-    return 0 if all(l.accuracy == r.accuracy for _, l, r, _ in rows) else 1
+    for label, column in (("unbatched", 3), (f"{args.batch} calls per task", 4)):
+        if column == 4 and args.batch <= 1:
+            continue
+        points = sorted((1e3 * r[1].steady_s / args.clients,
+                         r[1].steady_s / (r[column].steady_s if column == 4 else r[2].steady_s) > 1.0) for r in rows)
+        print(f"crossover ({label}): {crossover(points)}")
+    return 0 if all(lo.accuracy == r.accuracy == b.accuracy for _, lo, r, _, b in rows) else 1
 
 
 if __name__ == "__main__":

@@ -30,6 +30,13 @@ How it differs from Flower's simulation (``engine.name=flower``):
   (each one is bounded); with a ``timeout`` <= 0 every call is answered with a timeout at once,
   without running.  Ray's actor-task cancellation, which can stall a queue, is never used.  Client
   exceptions become error replies (code 2), as in every engine.
+* **Batches** (``engine.ray.calls_per_task`` > 1).  A round's calls assigned to one actor travel in
+  Ray tasks of up to that many calls (``ClientActor.serve_batch``), which the actor runs back to
+  back on one worker thread, each within the call's own budget from its own start
+  (:func:`~fedsim.engine.runtime.call_all_with_deadline`: an overrun is a timeout reply and the rest
+  go on), so a round pays a task round trip per batch, not per call.  The driver gives a batch the
+  sum of its calls' budgets (plus ``KILL_GRACE_S``); when a batch's actor dies or overruns that,
+  which call was to blame is not known, so each of its calls is sent again alone.
 * **Signals and leftovers.**  ``ray.init`` runs with fedsim's signal handlers kept (Ray's own SIGTERM
   handler would end the run FAILED), waits on Ray last at most ``POLL_S``, and a local Ray is watched
   by :mod:`fedsim.engine.reaper`, so its agents do not outlive a driver killed with ``kill -9``.
@@ -48,6 +55,7 @@ cluster's free resources are not (an actor too big for it fails the run after th
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -67,7 +75,8 @@ from fedsim import config as C
 from fedsim.engine import reaper
 from fedsim.engine.driver import DriverGrid, call_client_app, error_reply, task_identity
 from fedsim.contracts.history import RoundObserver
-from fedsim.engine.runtime import RunSpec, build_client_app, client_call_limit, warm_learner
+from fedsim.engine.runtime import (ClientTimeout, RunSpec, build_client_app, call_all_with_deadline, client_call_limit,
+                                   warm_learner)
 from fedsim.run_lifecycle import signal_handlers_kept
 from fedsim.engine.server import ServerResult, run_server
 from fedsim.registry import ENGINES
@@ -198,6 +207,7 @@ class ClientActor:
         self.own_app = client_app is not None
         self.app = (client_app if client_app is not None
                     else build_client_app(spec, deadline=client_call_limit(spec.cfg)))
+        self.plain_app: ClientApp | None = None  # built on the first batch (serve_batch)
 
     def warm(self) -> int:
         """Build the learner and its data now (``setup_summary`` loads them), before the first call."""
@@ -209,6 +219,28 @@ class ClientActor:
         """One call: the reply and the node's updated ``context.state``."""
         reply = deliver(self.app, Message(content=content, metadata=metadata), context)
         return reply, context.state
+
+    def serve_batch(self, items: list[tuple[Any, int, Context]], limit: float | None,
+                    *contents: RecordDict) -> list[tuple[Message, RecordDict]]:
+        """Several calls back to back (``engine.ray.calls_per_task``), each within ``limit`` seconds of
+        its own start: ``items`` are (metadata, index into ``contents``, context); per call, the reply
+        (a timeout error reply for an overrun, whose worker is abandoned) and the updated state."""
+        if self.plain_app is None:  # the run's ClientApp without its per-call deadline: the batch has its own
+            self.plain_app = self.app if self.own_app else build_client_app(self.spec)
+        if not self.own_app:
+            warm_learner(self.spec)
+        msgs = [Message(content=contents[i], metadata=meta) for meta, i, _ in items]
+        calls = [functools.partial(deliver, self.plain_app, m, ctx) for m, (_, _, ctx) in zip(msgs, items)]
+        outcomes = call_all_with_deadline(calls, limit, self.spec.cfg.engine.threads_per_client)
+        out = []
+        for msg, (_, _, ctx), (ok, value) in zip(msgs, items, outcomes):
+            if not ok and not isinstance(value, ClientTimeout):
+                raise value  # not a client's failure (those are error replies already)
+            if not ok:
+                with task_identity(msg.metadata.run_id, msg.metadata.dst_node_id):
+                    value = error_reply(msg, str(value))
+            out.append((value, ctx.state))
+        return out
 
 
 @cache
@@ -226,7 +258,21 @@ class _Call:
     content_ref: Any  # ObjectRef of msg.content (one per distinct content)
     limit: float  # this call's own budget, from when it reaches the head of its actor's queue
     actor: str = ""
-    ref: Any = None  # ObjectRef of the (reply, state) pair
+    ref: Any = None  # ObjectRef of the (reply, state) pair, or of its task's list of them
+    task: _Task | None = None  # the batch it travels in (engine.ray.calls_per_task > 1), None: alone
+
+
+@dataclass(eq=False)
+class _Task:
+    """Calls sent to one actor in one Ray task (``serve_batch``), answered together."""
+
+    calls: list[_Call]
+    ref: Any = None
+
+    @property
+    def budget(self) -> float:
+        """What the batch may take: each call's own budget, back to back."""
+        return sum(c.limit for c in self.calls)
 
 
 @dataclass(eq=False)
@@ -267,8 +313,10 @@ class RayActorGrid(DriverGrid):
         self.actors: dict[str, _Actor] = {}
         self.calls_served: dict[str, int] = {}  # actor key -> replies it gave the server (errors included)
         self.replaced = 0  # actors killed or lost, then replaced
+        self.calls_per_task = rc.calls_per_task
+        self.tasks_sent = 0  # Ray tasks that carried calls (one per call, or one per batch)
         self._pending: dict[str, _Call] = {}
-        self._by_ref: dict[Any, _Call | str] = {}  # call refs -> call; warm-up refs -> actor key
+        self._by_ref: dict[Any, _Call | _Task | str] = {}  # call refs -> call, task refs -> task; warm-up refs -> actor key
         self._replies: dict[str, Message] = {}
         try:
             for key in self.pool_keys:
@@ -286,6 +334,7 @@ class RayActorGrid(DriverGrid):
         limit = self.client_limit if limit is None else min(limit, self.client_limit)
         shipped: dict[int, Any] = {}  # id(content) -> ObjectRef: a shared payload is put once
         ids = []
+        by_actor: dict[str, list[_Call]] = {}  # calls_per_task > 1: each actor's calls, in order
         for msg in messages:
             msg_id = uuid.uuid4().hex
             msg.metadata.__dict__["_message_id"] = msg_id
@@ -293,8 +342,15 @@ class RayActorGrid(DriverGrid):
                 shipped[id(msg.content)] = ray.put(msg.content)
             call = _Call(msg_id, msg, shipped[id(msg.content)], limit)
             self._pending[msg_id] = call
-            self._submit(call)
             ids.append(msg_id)
+            if self.calls_per_task == 1:
+                self._submit(call)
+            else:
+                call.actor = self._actor_key(msg.metadata.dst_node_id)
+                by_actor.setdefault(call.actor, []).append(call)
+        for key, calls in by_actor.items():
+            for start in range(0, len(calls), self.calls_per_task):
+                self._submit_task(key, calls[start : start + self.calls_per_task])
         return ids
 
     def pull_messages(self, message_ids: Iterable[str]) -> list[Message]:
@@ -367,15 +423,41 @@ class RayActorGrid(DriverGrid):
             self._spawn(key, size)
         return key
 
-    def _submit(self, call: _Call) -> None:
-        call.actor = self._actor_key(call.msg.metadata.dst_node_id)
+    def _submit(self, call: _Call, key: str | None = None) -> None:
+        call.task = None
+        call.actor = key if key is not None else self._actor_key(call.msg.metadata.dst_node_id)
         actor = self.actors[call.actor]
         context = self.contexts[call.msg.metadata.dst_node_id]
         call.ref = actor.handle.serve.remote(call.msg.metadata, call.content_ref, context)
+        self.tasks_sent += 1
         self._by_ref[call.ref] = call
         if not actor.queue and actor.warm_ref is None:
             actor.busy_since = time.monotonic()
         actor.queue.append(call)
+
+    def _submit_task(self, key: str, calls: list[_Call]) -> None:
+        """Queue ``calls`` (already assigned to actor ``key``) on it as one Ray task (alone: as a call)."""
+        if len(calls) == 1:
+            self._submit(calls[0], key)
+            return
+        actor = self.actors[key]
+        contents: list[Any] = []
+        index: dict[int, int] = {}
+        items = []
+        for call in calls:
+            i = index.setdefault(id(call.content_ref), len(contents))
+            if i == len(contents):
+                contents.append(call.content_ref)
+            items.append((call.msg.metadata, i, self.contexts[call.msg.metadata.dst_node_id]))
+        task = _Task(calls)
+        task.ref = actor.handle.serve_batch.remote(items, calls[0].limit, *contents)
+        self.tasks_sent += 1
+        self._by_ref[task.ref] = task
+        if not actor.queue and actor.warm_ref is None:
+            actor.busy_since = time.monotonic()
+        for call in calls:
+            call.task, call.ref = task, task.ref
+            actor.queue.append(call)
 
     def _replace(self, key: str) -> list[_Call]:
         """Kill ``key``'s actor and start a fresh one; return the calls that were on it."""
@@ -395,9 +477,15 @@ class RayActorGrid(DriverGrid):
         return list(old.queue)
 
     def _lose(self, key: str, reason: str) -> None:
-        """The head call of ``key`` failed with ``reason``: reply, replace the actor, resubmit the rest."""
+        """The head call of ``key`` failed with ``reason``: reply, replace the actor, resubmit the rest.
+
+        When the head travelled in a batch, which of its calls failed is not known: each call of the
+        batch is sent again alone, so the one to blame fails on its own."""
         head, *rest = self._replace(key)
-        self._reply(head, error_reply(head.msg, reason))
+        if head.task is None:
+            self._reply(head, error_reply(head.msg, reason))
+        else:
+            rest.insert(0, head)
         for call in rest:
             if call.msg_id in self._pending:
                 self._submit(call)
@@ -439,6 +527,26 @@ class RayActorGrid(DriverGrid):
             self._reply(call, reply)
         self._dequeue(call)
 
+    def _on_task_done(self, task: _Task) -> None:
+        import ray
+
+        try:
+            results = ray.get(task.ref)
+        except ray.exceptions.RayTaskError:  # e.g. one unpicklable reply: each call again alone, to find it
+            for call in task.calls:
+                self._dequeue(call)
+                if call.msg_id in self._pending:
+                    self._submit(call)
+            return
+        except Exception as exc:  # the actor died (crash, OOM kill, lost node)
+            self._lose(task.calls[0].actor, f"actor died: {type(exc).__name__}")
+            return
+        for call, (reply, state) in zip(task.calls, results, strict=True):
+            if call.msg_id in self._pending:
+                self.contexts[call.msg.metadata.dst_node_id].state = state
+                self._reply(call, reply)
+            self._dequeue(call)
+
     def _poll(self, timeout: float) -> None:
         """Wait up to ``timeout`` for any call or start-up to finish, then handle all that did."""
         import ray
@@ -451,6 +559,10 @@ class RayActorGrid(DriverGrid):
             ready += ray.wait(rest, num_returns=len(rest), timeout=0)[0]
         for ref in [r for r in ready if isinstance(self._by_ref.get(r), str)]:
             self._on_warm(ref)
+        for ref in ready:
+            task = self._by_ref.get(ref)
+            if isinstance(task, _Task):
+                self._on_task_done(task)
         order = {msg_id: i for i, msg_id in enumerate(self._pending)}
         done = [(ref, call) for ref in ready if isinstance(call := self._by_ref.get(ref), _Call)]
         for ref, call in sorted(done, key=lambda rc: order.get(rc[1].msg_id, -1)):
@@ -465,7 +577,7 @@ class RayActorGrid(DriverGrid):
             if actor.warm_ref is not None:
                 wakes.append(actor.created + self.start_limit)
             elif actor.busy_since is not None and actor.queue:
-                wakes.append(actor.busy_since + actor.queue[0].limit + KILL_GRACE_S)
+                wakes.append(actor.busy_since + _head_budget(actor) + KILL_GRACE_S)
         return max(0.0, min(wakes, default=now + POLL_S) - now) + 0.01
 
     def _expire_overdue(self, now: float) -> None:
@@ -476,7 +588,7 @@ class RayActorGrid(DriverGrid):
                                      f"check engine.ray resources against the cluster")
             if not (actor.busy_since is not None and actor.queue):
                 continue
-            limit = actor.queue[0].limit
+            limit = _head_budget(actor)
             if now - actor.busy_since > limit + KILL_GRACE_S:
                 self._lose(key, f"timeout: no reply within {limit:.1f}s")
 
@@ -486,6 +598,12 @@ class RayActorGrid(DriverGrid):
             now = time.monotonic()
             self._expire_overdue(now)
             self._poll(self._next_wake(now))
+
+
+def _head_budget(actor: _Actor) -> float:
+    """What the head of ``actor``'s queue may take: its call's budget, or its batch's."""
+    head = actor.queue[0]
+    return head.limit if head.task is None else head.task.budget
 
 
 # -- the engine -----------------------------------------------------------------------------------

@@ -138,7 +138,7 @@ def _dead(handle) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # a hang guard, not a speed check
 def test_dead_and_hung_actors_become_error_replies_and_are_replaced(local_ray) -> None:
-    """One pool: spread of calls, an actor killed under the grid, then a run with a hung client."""
+    """One pool, one Ray task per call: spread of calls, an actor killed under the grid, then a run with a hung client."""
     import ray
     from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
     from flwr.common.constant import SUPERLINK_NODE_ID
@@ -148,7 +148,8 @@ def test_dead_and_hung_actors_become_error_replies_and_are_replaced(local_ray) -
 
     seed, hung = _seed_with_one_hang(0.25)
     # a roomy client limit (as in test_hangs): a loaded CI machine must not time out the healthy calls
-    spec = RunSpec.from_config(digits(f"seed={seed}", "engine.faults.hang_fraction=0.25", "engine.client_timeout_s=10"))
+    spec = RunSpec.from_config(digits(f"seed={seed}", "engine.faults.hang_fraction=0.25", "engine.client_timeout_s=10",
+                                      "engine.ray.calls_per_task=1"))  # one task per call (batches: the next test)
     grid = R.RayActorGrid(spec)
     history = History()
     try:
@@ -192,3 +193,45 @@ def test_dead_and_hung_actors_become_error_replies_and_are_replaced(local_ray) -
     assert r1.failures == [f"train: partition {hung}: timeout: no reply within 10.0s"]
     assert r1.seconds < 10 + 40  # the client deadline (+ a loaded machine), not the 3600 s hang
     assert (r2.clients_ok, r2.clients_failed) == (4, 0)  # the run went on
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # a hang guard, not a speed check
+def test_batched_calls_keep_each_calls_budget_and_outcome(local_ray) -> None:
+    """engine.ray.calls_per_task=2: one Ray task per actor per round; a dead actor's batch is sent
+    again call by call, a hang inside a batch costs its own slot, and the run equals the local one."""
+    import ray
+    from flwr.app import Message, MessageType, RecordDict
+    from flwr.common.constant import SUPERLINK_NODE_ID
+
+    from fedsim.contracts.history import History
+    from fedsim.engine.server import run_server
+
+    seed, hung = _seed_with_one_hang(0.25)
+    faults = [f"seed={seed}", "engine.faults.hang_fraction=0.25", "engine.client_timeout_s=10"]
+    spec = RunSpec.from_config(digits(*faults, "engine.ray.calls_per_task=2"))
+    grid = R.RayActorGrid(spec)
+    history = History()
+    try:
+        with R.task_identity(1, SUPERLINK_NODE_ID):
+            def query_all() -> list[Message]:
+                msgs = [Message(RecordDict(), n, MessageType.QUERY) for n in grid.get_node_ids()]
+                return grid.send_and_receive(msgs, timeout=60)
+
+            assert not any(r.has_error() for r in query_all())
+            assert grid.tasks_sent == 2 and grid.calls_served == {"pool-0": 2, "pool-1": 2}  # a batch each
+            dead = grid.actors["pool-0"].handle
+            ray.kill(dead, no_restart=True)
+            _dead(dead)
+            assert not any(r.has_error() for r in query_all())  # the lost batch ran again, call by call
+            assert grid.replaced == 1
+            run_server(grid, spec, [history])
+            assert grid.replaced == 1  # the actor cut the hung call itself, inside its batch
+    finally:
+        grid.close()
+    r1, r2 = history.records[1:]
+    assert (r1.clients_ok, r1.clients_failed) == (3, 1)
+    assert r1.failures == [f"train: partition {hung}: timeout: no reply within 10.0s"]
+    assert r1.seconds < 10 + 40 and (r2.clients_ok, r2.clients_failed) == (4, 0)
+    batched = run_experiment(digits("engine.ray.calls_per_task=3")).history.as_rows()
+    assert batched == run_experiment(digits("engine.vectorise=false", engine="local")).history.as_rows()
