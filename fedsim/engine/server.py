@@ -56,11 +56,24 @@ def build_strategy(spec: RunSpec) -> Any:
     ctx = StrategyContext(cfg, cfg.num_clients)
     params = STRATEGIES.params(cfg.strategy.name, cfg.strategy.params, "strategy.params")
     strategy = STRATEGIES.get(cfg.strategy.name)(ctx, params)
+    _fast_metric_aggregation(strategy)
     if cfg.privacy.enabled and cfg.privacy.level == "client":
         from privacy.client_level import wrap_client_level
 
         strategy = wrap_client_level(strategy, cfg, ctx.train_sample_size)
     return strategy
+
+
+def _fast_metric_aggregation(strategy: Any) -> None:
+    """Flower's default metric aggregation, where a strategy uses it, becomes fedsim's identical one-pass
+    twin (:func:`fedsim.engine.records.aggregate_metric_records`)."""
+    from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
+
+    from fedsim.engine.records import aggregate_metric_records
+
+    for attr in ("train_metrics_aggr_fn", "evaluate_metrics_aggr_fn"):
+        if getattr(strategy, attr, None) is aggregate_metricrecords:
+            setattr(strategy, attr, aggregate_metric_records)
 
 
 def required_results(spec: RunSpec, strategy: object | None = None) -> int:

@@ -59,3 +59,41 @@ def test_a_reply_record_dict_refuses_what_flowers_refuses() -> None:
     with pytest.raises(TypeError):
         ReplyRecordDict({1: MetricRecord({"a": 1.0})})
     assert ReplyRecordDict({}) == RecordDict({}) and ReplyRecordDict().object_id == RecordDict().object_id
+
+
+def test_a_kept_view_is_dropped_when_the_record_dict_changes() -> None:
+    rd = ReplyRecordDict({"arrays": ArrayRecord(), "metrics": MetricRecord({"a": 1.0})})
+    view = rd.metric_records
+    assert rd.metric_records is view  # built once
+    view["more"] = MetricRecord({"b": 2.0})  # through the view: written through, the kept views dropped
+    assert list(rd.metric_records) == ["metrics", "more"] and rd.metric_records is not view
+    rd["direct"] = MetricRecord({"c": 3.0})  # straight into the RecordDict
+    assert list(rd.metric_records) == ["metrics", "more", "direct"]
+    del rd["more"]
+    assert list(rd.metric_records) == ["metrics", "direct"] and list(rd.array_records) == ["arrays"]
+
+
+def test_metric_aggregation_is_flowers_bit_for_bit() -> None:
+    from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
+
+    from fedsim.engine.records import aggregate_metric_records
+
+    rng = np.random.default_rng(0)
+    records = []
+    for i in range(50):
+        metrics = {"num-examples": int(rng.integers(1, 400)), "loss": float(rng.normal()), "steps": int(rng.integers(1, 9)),
+                   "curve": [float(v) for v in rng.normal(size=3)]}
+        records.append(ReplyRecordDict({"metrics": MetricRecord(metrics)}) if i % 2 else RecordDict({"metrics": MetricRecord(metrics)}))
+    ours, flowers = aggregate_metric_records(records, "num-examples"), aggregate_metricrecords(records, "num-examples")
+    assert list(ours) == list(flowers) and all(ours[k] == flowers[k] for k in flowers)  # exact, not approximate
+
+
+def test_strategies_that_use_flowers_default_get_the_one_pass_twin() -> None:
+    from fedsim import config as C
+    from fedsim.engine.records import aggregate_metric_records
+    from fedsim.engine.runtime import RunSpec
+    from fedsim.engine.server import build_strategy
+
+    strategy = build_strategy(RunSpec.from_config(C.load_config("fedavg_digits", ["tracking.enabled=false"], {})))
+    assert strategy.train_metrics_aggr_fn is aggregate_metric_records
+    assert strategy.evaluate_metrics_aggr_fn is aggregate_metric_records
