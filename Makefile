@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # pip on these machines prints one harmless "Location ... is ignored" line per package
 PIPQ := 2>&1 | { grep -v -e "is ignored: it is neither" -e "^  *with strategy, WheelFile" || true; }
 
-.PHONY: demo test install clean bench lab
+.PHONY: demo test install install-gpu gpu-wheels clean bench lab
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -25,6 +25,22 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# The CUDA build of the same torch (12.6 wheels from PyTorch's index) in place of the CPU one, for
+# engine.device=cuda on a machine with an NVIDIA GPU and network access to download.pytorch.org.
+install-gpu: $(STAMP)
+	$(BIN)/python -m pip install --quiet --force-reinstall "torch==2.13.0" --index-url https://download.pytorch.org/whl/cu126 $(PIPQ)
+	$(BIN)/python -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'GPU visible:', torch.cuda.is_available())"
+
+# Wheels of the packages a GPU machine without network lacks (its image has torch and the science
+# stack; benchmarks/gpu_check.sh installs these beside them), into .gpu-wheels/ to carry there.
+gpu-wheels: $(STAMP)
+	rm -rf .gpu-wheels && mkdir -p .gpu-wheels
+	$(BIN)/python -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+	  --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform any -d .gpu-wheels \
+	  "flwr==1.42.0" "flwr-datasets==0.6.1" "datasets==4.8.5" "dill" "multiprocess" "iterators" "tomli-w" "pycryptodome" \
+	  "opacus==1.6.0" "omegaconf==2.4.0" $(PIPQ)
+	du -sh .gpu-wheels
 
 demo: $(STAMP)
 	$(BIN)/fedsim run fedsvd --eps 3

@@ -11,6 +11,7 @@ point where it stays sequential although vectorising would be more than 5% faste
 
     python benchmarks/bench_vectorise.py            # the full grid (a few minutes on 2 cores)
     python benchmarks/bench_vectorise.py --quick    # a handful of points
+    python benchmarks/bench_vectorise.py --device cuda --quick   # both paths on a GPU (engine.device)
     python benchmarks/bench_vectorise.py --dp       # under sample-level DP-SGD (Opacus one by one vs the
                                                     # vectorised cohort, privacy/cohort.py), σ = 1, RDP
 
@@ -56,7 +57,7 @@ class Point:
 DP = ["privacy.enabled=true", "privacy.noise_multiplier=1.0", "privacy.accountant=rdp", "privacy.delta=1e-5"]
 
 
-def point_config(p: Point, rounds: int, vectorise: str, dp: bool = False) -> C.ExperimentConfig:
+def point_config(p: Point, rounds: int, vectorise: str, dp: bool = False, device: str = "cpu") -> C.ExperimentConfig:
     if p.model == "cnn":
         data = ["data.name=mnist", "model.name=cnn", "client.lr=0.05"]  # 4,000 training images split evenly
     else:
@@ -71,7 +72,7 @@ def point_config(p: Point, rounds: int, vectorise: str, dp: bool = False) -> C.E
         f"client.batch_size={p.batch_size}", "client.local_epochs=1",
         "strategy.name=fedavg", "strategy.fraction_train=1.0", "strategy.fraction_evaluate=0.0",
         "evaluation.server=false", "engine.threads_per_client=1", f"engine.vectorise={vectorise}",
-        "engine.checkpoint=false", "tracking.enabled=false", *(DP if dp else []),
+        "engine.checkpoint=false", "tracking.enabled=false", f"engine.device={device}", *(DP if dp else []),
     ]
     cfg = C.load_config("fedavg", overrides, {"rounds": rounds, "clients": p.clients, "seed": 0, "engine": "local"})
     cfg.name = "bench-vectorise"
@@ -134,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--dp", action="store_true", help="under sample-level DP-SGD (σ = 1)")
+    ap.add_argument("--device", default="cpu", help="engine.device for both paths (cpu, cuda, ...)")
     ap.add_argument("--models", help=f"comma list of models to sweep (default: {','.join(GRID['model'])})")
     args = ap.parse_args(argv)
     quiet_third_party()
@@ -152,13 +154,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.models:
         points = [p for p in points if p.model in args.models.split(",")]
     for p in points:
-        seq = steady_round_s(point_config(p, args.rounds, "false", args.dp), args.repeat)
-        vec = steady_round_s(point_config(p, args.rounds, "true", args.dp), args.repeat)
-        picks = auto_choice(point_config(p, args.rounds, "auto", args.dp))
+        seq = steady_round_s(point_config(p, args.rounds, "false", args.dp, args.device), args.repeat)
+        vec = steady_round_s(point_config(p, args.rounds, "true", args.dp, args.device), args.repeat)
+        picks = auto_choice(point_config(p, args.rounds, "auto", args.dp, args.device))
         ratio = seq / vec
         if picks and ratio < 0.95 and args.repeat < 3:  # a loaded machine's spike, or real? time it again
-            seq = steady_round_s(point_config(p, args.rounds, "false", args.dp), 3)
-            vec = steady_round_s(point_config(p, args.rounds, "true", args.dp), 3)
+            seq = steady_round_s(point_config(p, args.rounds, "false", args.dp, args.device), 3)
+            vec = steady_round_s(point_config(p, args.rounds, "true", args.dp, args.device), 3)
             ratio = seq / vec
         ok = not (picks and ratio < 0.95)  # within 5% is a tie
         missed = not picks and ratio > 1.05
@@ -174,4 +176,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from fedsim.errors import FedsimError
+
+    try:
+        sys.exit(main())
+    except FedsimError as exc:  # e.g. --device cuda without a GPU: one line, not a traceback
+        sys.exit(f"bench_vectorise.py: {exc}")
