@@ -39,7 +39,7 @@ gpu-wheels: $(STAMP)
 	$(BIN)/python -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
 	  --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform any -d .gpu-wheels \
 	  "flwr==1.42.0" "flwr-datasets==0.6.1" "datasets==4.8.5" "dill" "multiprocess" "iterators" "tomli-w" "pycryptodome" \
-	  "opacus==1.6.0" "omegaconf==2.4.0" $(PIPQ)
+	  "opacus==1.6.0" "omegaconf==2.4.0" "mlxtend==0.25.0" $(PIPQ)
 	du -sh .gpu-wheels
 
 demo: $(STAMP)

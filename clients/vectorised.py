@@ -249,7 +249,8 @@ def _plan(learner: SupervisedLearner, arrays: StateDict, ctx: NodeContext) -> _C
     masks = poisson_masks(len(y), b, plan.steps_per_round, batch_seed)
     params = [p for p in learner.model.parameters() if p.requires_grad]
     std = plan.noise_multiplier * learner.cfg.privacy.max_grad_norm
-    noise = noise_draws([p.shape for p in params], params[0].dtype, std, plan.steps_per_round, noise_seed)
+    noise = noise_draws([p.shape for p in params], params[0].dtype, std, plan.steps_per_round, noise_seed,
+                        params[0].device)
     return _Client(arrays, ctx, x, y, _mask_rows(masks), mu, _PrivateRound(plan, noise, expected_batch_size(len(y), b)))
 
 
@@ -456,7 +457,7 @@ def _private_step(learner: SupervisedLearner, ch: _Chunk, clients: list[_Client]
         assert c.dp is not None
         for n, draws in zip(names, c.dp.noise, strict=True):
             noise[n][: c.steps, i] = draws
-    batch_size = torch.tensor([c.dp.batch_size for c in clients if c.dp is not None])
+    batch_size = torch.tensor([c.dp.batch_size for c in clients if c.dp is not None], device=ch.mu.device)
     max_norm = learner.cfg.privacy.max_grad_norm
 
     def step(s: int, k: int) -> tuple[Tensors, torch.Tensor]:

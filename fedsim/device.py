@@ -8,9 +8,10 @@ across rounds; only the arrays exchanged with the server are copied to the CPU (
 hold NumPy arrays).
 
 Learners opt in with ``supports_device = True`` (:class:`fedsim.contracts.learner.Learner`); a
-device other than the CPU for any other learner is refused before the run starts, and so is
-sample-level DP-SGD on a GPU (Opacus' noise and the vectorised DP cohort draw from CPU generators
-seeded per client; a GPU stream of the same draws is not built yet).
+device other than the CPU for any other learner is refused before the run starts.  Under DP-SGD
+the noise is drawn on the device from a generator seeded per client there (Opacus' own and the
+vectorised cohort's, :mod:`privacy.cohort`), so a GPU run is reproducible but draws other noise
+than a CPU run of the same seed; Poisson batches are drawn on the CPU either way.
 """
 
 from __future__ import annotations

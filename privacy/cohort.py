@@ -61,15 +61,17 @@ def poisson_masks(num_examples: int, batch_size: int, steps: int, batch_seed: in
     return masks
 
 
-def noise_draws(shapes: list[torch.Size], dtype: torch.dtype, std: float, steps: int, noise_seed: int) -> list[torch.Tensor]:
-    """Per trainable parameter, ``[steps, *shape]``: the Gaussian noise (std ``σ·C``) of each logical step."""
-    out = [torch.zeros((steps, *s), dtype=dtype) for s in shapes]
+def noise_draws(shapes: list[torch.Size], dtype: torch.dtype, std: float, steps: int, noise_seed: int,
+                device: torch.device | str = "cpu") -> list[torch.Tensor]:
+    """Per trainable parameter, ``[steps, *shape]``: the Gaussian noise (std ``σ·C``) of each logical step,
+    drawn on ``device`` from a generator there, as Opacus draws it for a model on that device."""
+    out = [torch.zeros((steps, *s), dtype=dtype, device=device) for s in shapes]
     if std == 0:  # Opacus draws nothing without noise
         return out
-    g = torch.Generator().manual_seed(noise_seed)
+    g = torch.Generator(device=device).manual_seed(noise_seed)
     for s in range(steps):
         for buf, shape in zip(out, shapes):
-            buf[s] = torch.normal(mean=0, std=std, size=shape, generator=g, dtype=dtype)
+            buf[s] = torch.normal(mean=0, std=std, size=shape, generator=g, dtype=dtype, device=device)
     return out
 
 

@@ -5,7 +5,9 @@ probability ``q``), per-sample gradient clipping at ``max_grad_norm`` and Gaussi
 ``σ·C``; ``BatchMemoryManager`` splits logical batches into physical ones of at most
 ``max_physical_batch_size``.  The round runs exactly ``steps`` logical (non-skipped) optimizer
 steps, as the FedSVD authors' ``dp_train`` does.  Batch sampling and noise use generators seeded
-from the run's root seed, so runs are reproducible (``secure_mode`` is off: this is a simulator).
+from the run's root seed, so runs are reproducible (``secure_mode`` is off: this is a simulator); the
+noise generator lives on the model's device (``engine.device``), so a GPU run draws other noise than
+a CPU run of the same seed, reproducibly.
 
 The loss is the caller's (``criterion``, any mean-reduced per-example loss module; cross-entropy by
 default).  ``after_noise`` adds a *data-independent* term to the privatised gradient just before
@@ -91,6 +93,13 @@ def _run_before_step(optimizer: torch.optim.Optimizer, hook: Callable[[], None])
     optimizer.step = step_after_hook  # type: ignore[method-assign]
 
 
+def noise_generator(model: nn.Module, noise_seed: int) -> torch.Generator:
+    """The generator of the round's Gaussian noise, on the device of the model's trainable parameters
+    (Opacus draws the noise there; on a GPU that is CUDA's stream, not the CPU's, for the same seed)."""
+    device = next((p.device for p in model.parameters() if p.requires_grad), torch.device("cpu"))
+    return torch.Generator(device=device).manual_seed(noise_seed)
+
+
 def _run(model: nn.Module, optimizer: torch.optim.Optimizer, data: tuple[torch.Tensor, ...],
          privacy: PrivacyConfig, batch_size: int, steps: int, noise_multiplier: float, batch_seed: int,
          noise_seed: int, loss_module: nn.Module, loss_fn: Optional[LossFn]) -> DPRoundResult:
@@ -100,19 +109,21 @@ def _run(model: nn.Module, optimizer: torch.optim.Optimizer, data: tuple[torch.T
     kwargs = dict(module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=noise_multiplier,
                   max_grad_norm=privacy.max_grad_norm, poisson_sampling=True,
                   grad_sample_mode=privacy.grad_sample_mode,
-                  noise_generator=torch.Generator().manual_seed(noise_seed))
+                  noise_generator=noise_generator(model, noise_seed))
     if privacy.grad_sample_mode == "ghost":
         module, dp_opt, criterion, dp_loader = engine.make_private(criterion=loss_module, **kwargs)
     else:
         module, dp_opt, dp_loader = engine.make_private(**kwargs)
         criterion = loss_module
     taken, loss_sum, seen = 0, 0.0, 0
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
     try:
         module.train()
         while taken < steps:
             with BatchMemoryManager(data_loader=dp_loader, max_physical_batch_size=privacy.max_physical_batch_size,
                                     optimizer=dp_opt) as physical:
                 for batch in physical:
+                    batch = [t.to(device) for t in batch]  # Opacus builds an empty batch on the CPU
                     dp_opt.zero_grad(set_to_none=True)
                     loss = loss_fn(module, batch) if loss_fn is not None else criterion(module(batch[0]), batch[1])
                     loss.backward()

@@ -291,8 +291,8 @@ def check_learner(cfg: C.ExperimentConfig) -> None:
 
 
 def check_device(cfg: C.ExperimentConfig, learner: type) -> None:
-    """``engine.device`` other than cpu: the learner keeps its model there, the run is not DP-SGD, and
-    the GPU is there (local engine) or the engine gives its clients one (ray, flower)."""
+    """``engine.device`` other than cpu: the learner keeps its model there, and the GPU is there
+    (local engine) or the engine gives its clients one (ray, flower)."""
     device, e = cfg.engine.device, cfg.engine
     if device == "cpu":
         return
@@ -301,9 +301,6 @@ def check_device(cfg: C.ExperimentConfig, learner: type) -> None:
             return  # auto: the best this learner can use, the CPU
         raise ConfigError(f"learner {cfg.client.learner!r} runs on the CPU only; drop engine.device={device} "
                           f"(or set engine.device=cpu)")
-    if cfg.privacy.enabled and cfg.privacy.level == "sample" and device != "auto":
-        raise ConfigError(f"sample-level DP-SGD runs on the CPU only for now; drop engine.device={device} "
-                          f"(engine.device=auto runs DP on the CPU)")
     if device == "auto":
         return
     if e.name == "ray" and e.ray.actor_num_gpus <= 0:
