@@ -45,7 +45,9 @@ not): a ``SupervisedLearner`` that keeps its methods named in :data:`KEPT_METHOD
 an SGD or Adam optimiser, no batch-statistics normalisation (BatchNorm, or any
 norm with running stats), no active dropout (``vmap`` runs with ``randomness="error"``, so any
 other random op in the forward pass raises rather than silently differing), no adapter models
-(``federated_keys``), no tied parameters, and every client has at least one training example.
+(``federated_keys``: the LoRA encoder keeps its checkpoint's dropout of 0.1, whose per-client masks
+a batched cohort cannot draw as the sequential rounds do, so a LoRA cohort would not be exact), no
+tied parameters, and every client has at least one training example.
 
 A failure anywhere (e.g. a transform raising for one client) fails the whole call; a caller that
 needs per-client failure semantics falls back to sequential training then.

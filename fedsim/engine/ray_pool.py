@@ -45,7 +45,7 @@ A cluster: ``engine.ray.address=auto`` (or ``ray://host:port``, or ``$RAY_ADDRES
 Ray instead of starting a local one; every node needs the same Python environment (fedsim and the
 dataset caches), since actors import fedsim and build their learner where they run.
 
-Limits: the driver ships a round's global model once (``ray.put``) but every reply separately; an
+Limits: the driver ships a round's global model once (``ray.put``), and replies come back per call or per batch; an
 actor (or a replacement) builds its learner before its first call, and the client deadline starts
 after that (the start itself may take ``max(round_timeout_s, 300s)``, then the run fails); calls
 queued behind a replacement wait for its start; a local Ray is checked before it starts, a
