@@ -123,7 +123,14 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray.cluster_utils import Cluster
 
-    workloads = [(m, int(e)) for m, _, e in (w.partition(":") for w in args.workloads.split(","))]
+    workloads = []
+    for w in args.workloads.split(","):
+        model, _, epochs = w.partition(":")
+        if model not in ("mlp", "cnn") or not epochs.isdigit() or int(epochs) < 1:
+            ap.error(f"--workloads: {w!r} is not model:local_epochs with model mlp or cnn (e.g. cnn:4)")
+        workloads.append((model, int(epochs)))
+    if args.nodes < 1 or args.cpus_per_node < 1 or args.clients < 2:
+        ap.error("--nodes and --cpus-per-node must be >= 1, --clients >= 2")
     print(f"starting a Ray cluster: {args.nodes} nodes x {args.cpus_per_node} CPU", flush=True)
     t0 = time.perf_counter()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": args.cpus_per_node, "include_dashboard": False})
