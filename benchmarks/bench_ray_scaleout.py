@@ -92,6 +92,29 @@ def timed_run(cfg: C.ExperimentConfig) -> Timing:
     return Timing(steady, (t[1] - start) - steady, float(result.history.final().get("eval/accuracy", float("nan"))))
 
 
+CSV_COLUMNS = ("workload", "nodes", "cpus_per_node", "actors", "clients", "rounds", "ms_per_client", "local_s",
+               "ray_s", "calls_per_task", "ray_batched_s", "ray_startup_s", "identical")
+
+
+def write_csv(path: Path, rows: list[tuple[str, Timing, Timing, float, Timing]], args: argparse.Namespace,
+              actors: int) -> None:
+    """One row per workload: steady seconds per round of local, ray and batched ray (their ratios follow)."""
+    import csv
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=CSV_COLUMNS)
+        writer.writeheader()
+        for name, local, on_ray, _, batched in rows:
+            writer.writerow({"workload": name, "nodes": args.nodes, "cpus_per_node": args.cpus_per_node,
+                             "actors": actors, "clients": args.clients, "rounds": args.rounds,
+                             "ms_per_client": f"{1e3 * local.steady_s / args.clients:.2f}",
+                             "local_s": f"{local.steady_s:.4f}", "ray_s": f"{on_ray.steady_s:.4f}",
+                             "calls_per_task": args.batch, "ray_batched_s": f"{batched.steady_s:.4f}",
+                             "ray_startup_s": f"{on_ray.startup_s:.2f}",
+                             "identical": int(local.accuracy == on_ray.accuracy == batched.accuracy)})
+
+
 def crossover(points: list[tuple[float, bool]]) -> str:
     """Where ray starts to win, from (ms of local work per client, ray won) sorted by work."""
     wins = [ms for ms, won in points if won]
@@ -112,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma list of model:local_epochs (model: mlp or cnn)")
     ap.add_argument("--clients", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=4, help="rounds per run (>= 3: rounds 2..R are the steady part)")
+    ap.add_argument("--csv", type=Path, default=None,
+                    help="also write the rows to this CSV file (scripts/perf_table.py renders docs/perf/ray-scaleout*.csv)")
     ap.add_argument("--batch", type=int, default=16,
                     help="also time ray with engine.ray.calls_per_task=BATCH (1: only unbatched)")
     args = ap.parse_args(argv)
@@ -173,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{speedup:.2f}", f"{speedup / actors:.2f}", f"{on_ray.startup_s:.1f}", f"{batched.steady_s:.3f}",
                       f"{fast:.2f}", f"{fast / actors:.2f}")
     Console(width=140).print(table)
+    if args.csv is not None:
+        write_csv(args.csv, rows, args, actors)
     for label, column in (("unbatched", 3), (f"{args.batch} calls per task", 4)):
         if column == 4 and args.batch <= 1:
             continue

@@ -1,11 +1,16 @@
-"""The engine table of ``docs/measurements.md``, generated from ``benchmarks/bench_engine.py --csv`` output.
+"""The benchmark tables of ``docs/measurements.md``, generated from the benchmarks' ``--csv`` output.
+
+* ``engine``: ``benchmarks/bench_engine.py --csv`` files ``docs/perf/engine*.csv``;
+* ``ray`` (where the document has its markers): ``benchmarks/bench_ray_scaleout.py --csv`` files
+  ``docs/perf/ray-scaleout*.csv``, one row per workload and cluster shape.
 
 The benchmark's CSV files are kept in ``docs/perf/`` (one per run; a later file's rows replace an
 earlier one's for the same workload and system).  The table between the ``<!-- perf:engine -->``
 markers is rendered from them, never edited by hand:
 
     python benchmarks/bench_engine.py --workloads mlp-100,mlp-1000 --repeat 3 --csv docs/perf/engine-YYYY-MM-DD.csv
-    python scripts/perf_table.py            # rewrite the table in docs/measurements.md
+    python benchmarks/bench_ray_scaleout.py --csv docs/perf/ray-scaleout-YYYY-MM-DD.csv
+    python scripts/perf_table.py            # rewrite the tables in docs/measurements.md
     python scripts/perf_table.py --check    # exit 1 if the table is not what the CSV files give
 """
 
@@ -55,12 +60,42 @@ def render(rows: list[dict[str, str]]) -> str:
     return "\n".join(lines)
 
 
-def updated(doc: str, table: str) -> str:
-    if START not in doc or END not in doc:
-        raise ValueError(f"the document has no {START} ... {END} block")
-    head, rest = doc.split(START, 1)
-    _, tail = rest.split(END, 1)
-    return f"{head}{START}\n{table}\n{END}{tail}"
+def updated(doc: str, table: str, start: str = START, end: str = END) -> str:
+    if start not in doc or end not in doc:
+        raise ValueError(f"the document has no {start} ... {end} block")
+    head, rest = doc.split(start, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{start}\n{table}\n{end}{tail}"
+
+
+RAY_START, RAY_END = "<!-- perf:ray start -->", "<!-- perf:ray end -->"
+RAY_COLUMNS = ("workload", "local work per client", "local s/round", "ray s/round, 1 call/task", "local/ray",
+               "ray s/round, batched", "local/ray batched", "efficiency batched", "ray start-up s", "cluster", "source")
+
+
+def read_ray_rows(files: list[Path]) -> list[dict[str, str]]:
+    """Rows of every ray-scaleout CSV; a later file's row replaces an earlier one of the same workload and cluster."""
+    rows: dict[tuple[str, ...], dict[str, str]] = {}
+    for path in sorted(files):
+        with open(path, newline="") as fh:
+            for row in csv.DictReader(fh):
+                if {"workload", "local_s", "ray_s", "ray_batched_s"} - set(row):
+                    raise ValueError(f"{path}: not a bench_ray_scaleout.py --csv file")
+                key = (row["workload"], row["nodes"], row["cpus_per_node"], row["clients"])
+                rows[key] = {**row, "source": path.name}
+    return list(rows.values())
+
+
+def render_ray(rows: list[dict[str, str]]) -> str:
+    lines = ["| " + " | ".join(RAY_COLUMNS) + " |", "|" + "---|" * len(RAY_COLUMNS)]
+    for r in rows:
+        local, plain, batched = float(r["local_s"]), float(r["ray_s"]), float(r["ray_batched_s"])
+        lines.append("| " + " | ".join([
+            r["workload"], f"{float(r['ms_per_client']):.1f} ms", f"{local:.3f}", f"{plain:.3f}", f"{local / plain:.2f}",
+            f"{batched:.3f} ({r['calls_per_task']} calls/task)", f"{local / batched:.2f}",
+            f"{local / batched / int(r['actors']):.2f}", f"{float(r['ray_startup_s']):.1f}",
+            f"{r['nodes']} × {r['cpus_per_node']} CPU, {r['clients']} clients", f"`{r['source']}`"]) + " |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,6 +110,11 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"no engine*.csv files in {args.csv_dir}; run benchmarks/bench_engine.py --csv first")
         doc = args.doc.read_text()
         new = updated(doc, render(read_rows(files)))
+        if RAY_START in new:
+            ray_files = list(args.csv_dir.glob("ray-scaleout*.csv"))
+            if not ray_files:
+                raise ValueError(f"no ray-scaleout*.csv files in {args.csv_dir}; run benchmarks/bench_ray_scaleout.py --csv")
+            new = updated(new, render_ray(read_ray_rows(ray_files)), RAY_START, RAY_END)
     except (OSError, ValueError) as exc:
         print(f"perf_table: error: {exc}", file=sys.stderr)
         return 2

@@ -51,3 +51,22 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys) -> None:
     (tmp_path / "m.md").write_text("no markers\n")
     assert pt.main(["--csv-dir", str(tmp_path), "--doc", str(tmp_path / "m.md")]) == 2
     assert "not a bench_engine.py --csv file" in capsys.readouterr().err
+
+
+RAY_HEADER = "workload,nodes,cpus_per_node,actors,clients,rounds,ms_per_client,local_s,ray_s,calls_per_task," \
+             "ray_batched_s,ray_startup_s,identical\n"
+
+
+def test_the_ray_table_renders_where_the_document_has_its_block(tmp_path, capsys) -> None:
+    pt = perf_table()
+    (tmp_path / "engine-1.csv").write_text(HEADER + "mlp-100,raw,raw PyTorch,0.5,,0.16,0.7,,,,,3,2\n")
+    doc = tmp_path / "m.md"
+    doc.write_text("<!-- perf:engine start -->\n<!-- perf:engine end -->\n<!-- perf:ray start -->\nold\n<!-- perf:ray end -->\n")
+    args = ["--csv-dir", str(tmp_path), "--doc", str(doc)]
+    assert pt.main(args) == 2 and "no ray-scaleout*.csv files" in capsys.readouterr().err
+    (tmp_path / "ray-scaleout-1.csv").write_text(RAY_HEADER + "mlp:1,2,1,2,100,4,1.40,0.144,0.352,16,0.120,6.4,1\n")
+    assert pt.main(args) == 0
+    (row,) = [ln for ln in doc.read_text().splitlines() if ln.startswith("| mlp:1")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[:9] == ["mlp:1", "1.4 ms", "0.144", "0.352", "0.41", "0.120 (16 calls/task)", "1.20", "0.60", "6.4"]
+    assert pt.main([*args, "--check"]) == 0
