@@ -135,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--dp", action="store_true", help="under sample-level DP-SGD (σ = 1)")
+    ap.add_argument("--csv", type=Path, default=None,
+                    help="also write one row per point to this CSV (scripts/perf_table.py renders docs/perf/vectorise*.csv)")
     ap.add_argument("--device", default="cpu", help="engine.device for both paths (cpu, cuda, ...)")
     ap.add_argument("--models", help=f"comma list of models to sweep (default: {','.join(GRID['model'])})")
     args = ap.parse_args(argv)
@@ -150,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     for col in ("workload", "sequential s", "vectorised s", "seq/vec", "auto picks", "verdict"):
         table.add_column(col, justify="left" if col in ("workload", "auto picks", "verdict") else "right")
     wrong = 0
+    csv_rows: list[dict[str, Any]] = []
     points = grid_points(args.quick)
     if args.models:
         points = [p for p in points if p.model in args.models.split(",")]
@@ -170,8 +173,20 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         table.add_row(p.label, f"{seq:.4f}", f"{vec:.4f}", f"{ratio:.2f}", "vectorised" if picks else "sequential",
                       "WRONG" if not ok else "missed" if missed else "ok")
+        csv_rows.append({"model": p.model, "clients": p.clients, "per_client": p.per_client, "batch_size": p.batch_size,
+                         "optimizer": p.optimizer, "dp": int(args.dp), "device": args.device, "sequential_s": f"{seq:.5f}",
+                         "vectorised_s": f"{vec:.5f}", "auto_vectorises": int(picks),
+                         "verdict": "WRONG" if not ok else "missed" if missed else "ok"})
     Console(width=140).print(table)
     print(f"auto picked the slower path at {wrong} point(s)")
+    if args.csv is not None and csv_rows:
+        import csv
+
+        args.csv.parent.mkdir(parents=True, exist_ok=True)
+        with open(args.csv, "w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=list(csv_rows[0]))
+            writer.writeheader()
+            writer.writerows(csv_rows)
     return 1 if wrong else 0
 
 

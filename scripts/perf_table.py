@@ -2,7 +2,9 @@
 
 * ``engine``: ``benchmarks/bench_engine.py --csv`` files ``docs/perf/engine*.csv``;
 * ``ray`` (where the document has its markers): ``benchmarks/bench_ray_scaleout.py --csv`` files
-  ``docs/perf/ray-scaleout*.csv``, one row per workload and cluster shape.
+  ``docs/perf/ray-scaleout*.csv``, one row per workload and cluster shape;
+* ``vectorise`` (where the document has its markers): ``benchmarks/bench_vectorise.py --csv`` files
+  ``docs/perf/vectorise*.csv``, one row per (DP or not, device, model, clients) summarising its grid points.
 
 The benchmark's CSV files are kept in ``docs/perf/`` (one per run; a later file's rows replace an
 earlier one's for the same workload and system).  The table between the ``<!-- perf:engine -->``
@@ -98,6 +100,43 @@ def render_ray(rows: list[dict[str, str]]) -> str:
     return "\n".join(lines)
 
 
+VEC_START, VEC_END = "<!-- perf:vectorise start -->", "<!-- perf:vectorise end -->"
+VEC_COLUMNS = ("DP-SGD", "device", "model", "clients", "points", "sequential / vectorised: min", "median", "max",
+               "auto vectorises", "auto wrong", "source")
+
+
+def read_vectorise_rows(files: list[Path]) -> list[dict[str, str]]:
+    """Grid points of every vectorise CSV; a later file's point replaces an earlier one's."""
+    points: dict[tuple[str, ...], dict[str, str]] = {}
+    for path in sorted(files):
+        with open(path, newline="") as fh:
+            for row in csv.DictReader(fh):
+                if {"model", "clients", "sequential_s", "vectorised_s", "auto_vectorises", "verdict"} - set(row):
+                    raise ValueError(f"{path}: not a bench_vectorise.py --csv file")
+                key = tuple(row.get(k, "") for k in ("dp", "device", "model", "clients", "per_client", "batch_size",
+                                                     "optimizer"))
+                points[key] = {**row, "source": path.name}
+    return list(points.values())
+
+
+def render_vectorise(points: list[dict[str, str]]) -> str:
+    import statistics
+
+    groups: dict[tuple[str, str, str, int], list[dict[str, str]]] = {}
+    for pt in points:
+        groups.setdefault((pt.get("dp", "0"), pt.get("device", "cpu"), pt["model"], int(pt["clients"])), []).append(pt)
+    lines = ["| " + " | ".join(VEC_COLUMNS) + " |", "|" + "---|" * len(VEC_COLUMNS)]
+    for (dp, device, model, clients), group in sorted(groups.items()):
+        ratios = [float(g["sequential_s"]) / float(g["vectorised_s"]) for g in group]
+        sources = sorted({g["source"] for g in group})
+        lines.append("| " + " | ".join([
+            "yes" if dp == "1" else "no", device, model, str(clients), str(len(group)), f"{min(ratios):.2f}",
+            f"{statistics.median(ratios):.2f}", f"{max(ratios):.2f}",
+            str(sum(g["auto_vectorises"] == "1" for g in group)), str(sum(g["verdict"] == "WRONG" for g in group)),
+            ", ".join(f"`{s}`" for s in sources)]) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--csv-dir", type=Path, default=ROOT / "docs" / "perf", help="where the CSV files are")
@@ -115,6 +154,11 @@ def main(argv: list[str] | None = None) -> int:
             if not ray_files:
                 raise ValueError(f"no ray-scaleout*.csv files in {args.csv_dir}; run benchmarks/bench_ray_scaleout.py --csv")
             new = updated(new, render_ray(read_ray_rows(ray_files)), RAY_START, RAY_END)
+        if VEC_START in new:
+            vec_files = list(args.csv_dir.glob("vectorise*.csv"))
+            if not vec_files:
+                raise ValueError(f"no vectorise*.csv files in {args.csv_dir}; run benchmarks/bench_vectorise.py --csv")
+            new = updated(new, render_vectorise(read_vectorise_rows(vec_files)), VEC_START, VEC_END)
     except (OSError, ValueError) as exc:
         print(f"perf_table: error: {exc}", file=sys.stderr)
         return 2

@@ -70,3 +70,20 @@ def test_the_ray_table_renders_where_the_document_has_its_block(tmp_path, capsys
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[:9] == ["mlp:1", "1.4 ms", "0.144", "0.352", "0.41", "0.120 (16 calls/task)", "1.20", "0.60", "6.4"]
     assert pt.main([*args, "--check"]) == 0
+
+
+def test_the_vectorise_table_summarises_grid_points_per_model_and_cohort(tmp_path) -> None:
+    pt = perf_table()
+    (tmp_path / "engine-1.csv").write_text(HEADER + "mlp-100,raw,raw PyTorch,0.5,,0.16,0.7,,,,,3,2\n")
+    head = "model,clients,per_client,batch_size,optimizer,dp,device,sequential_s,vectorised_s,auto_vectorises,verdict\n"
+    (tmp_path / "vectorise-1.csv").write_text(head + "mlp:32,100,4,16,sgd,1,cpu,0.4,0.1,1,ok\n"
+                                              "mlp:32,100,40,16,sgd,1,cpu,0.3,0.3,1,ok\n"
+                                              "mlp:32,100,400,16,sgd,1,cpu,0.2,0.4,1,WRONG\n")
+    (tmp_path / "vectorise-2.csv").write_text(head + "mlp:32,100,400,16,sgd,1,cpu,0.6,0.2,1,ok\n")  # timed again
+    doc = tmp_path / "m.md"
+    doc.write_text("<!-- perf:engine start -->\n<!-- perf:engine end -->\n"
+                   "<!-- perf:vectorise start -->\n<!-- perf:vectorise end -->\n")
+    assert pt.main(["--csv-dir", str(tmp_path), "--doc", str(doc)]) == 0
+    (row,) = [ln for ln in doc.read_text().splitlines() if ln.startswith("| yes")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[:10] == ["yes", "cpu", "mlp:32", "100", "3", "1.00", "3.00", "4.00", "3", "0"]
