@@ -454,12 +454,13 @@ def _private_step(learner: SupervisedLearner, ch: _Chunk, clients: list[_Client]
     grad_fn = vmap(vmap(grad_and_value(_example_loss_fn(learner.model)), in_dims=(None, None, 0, 0)),
                    randomness="error")
     names = list(ch.params)
+    rounds = [c.dp for c in clients if c.dp is not None]
+    assert len(rounds) == len(clients)
     noise = {n: ch.params[n].new_zeros((len(ch.active), *ch.params[n].shape)) for n in names}  # [S, C, ...]
-    for i, c in enumerate(clients):
-        assert c.dp is not None
-        for n, draws in zip(names, c.dp.noise, strict=True):
+    for i, (c, dp) in enumerate(zip(clients, rounds)):
+        for n, draws in zip(names, dp.noise, strict=True):
             noise[n][: c.steps, i] = draws
-    batch_size = torch.tensor([c.dp.batch_size for c in clients if c.dp is not None], device=ch.mu.device)
+    batch_size = torch.tensor([dp.batch_size for dp in rounds], device=ch.mu.device)
     max_norm = learner.cfg.privacy.max_grad_norm
 
     def step(s: int, k: int) -> tuple[Tensors, torch.Tensor]:

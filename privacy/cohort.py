@@ -13,7 +13,7 @@ module gives it the same round from the same seeds instead:
   (``UniformWithReplacementSampler``) for ``int(1/q)`` batches, passes repeated until the round
   has its ``steps`` logical steps (an empty batch is a step: noise only, as in Opacus);
 * :func:`noise_draws` is the noise ``DPOptimizer.add_noise`` draws from
-  ``Generator().manual_seed(noise_seed)``: per logical step, one ``normal(0, σC, p.shape)`` per
+  ``Generator(device).manual_seed(noise_seed)`` on the model's device: per logical step, one ``normal(0, σC, p.shape)`` per
   trainable parameter in the optimiser's order (no draw at σ = 0);
 * :func:`privatise` is ``clip_and_accumulate`` + ``add_noise`` + ``scale_grad`` over a batch of
   clients: each example's gradient scaled to L2 norm ≤ C (factor ``min(1, C / (‖g‖ + 1e-6))`` over

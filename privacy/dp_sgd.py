@@ -93,11 +93,10 @@ def _run_before_step(optimizer: torch.optim.Optimizer, hook: Callable[[], None])
     optimizer.step = step_after_hook  # type: ignore[method-assign]
 
 
-def noise_generator(model: nn.Module, noise_seed: int) -> torch.Generator:
-    """The generator of the round's Gaussian noise, on the device of the model's trainable parameters
-    (Opacus draws the noise there; on a GPU that is CUDA's stream, not the CPU's, for the same seed)."""
-    device = next((p.device for p in model.parameters() if p.requires_grad), torch.device("cpu"))
-    return torch.Generator(device=device).manual_seed(noise_seed)
+def model_device(model: nn.Module) -> torch.device:
+    """Where the model's parameters live: Opacus draws the noise there (on a GPU, CUDA's stream, not
+    the CPU's, for the same seed), so the noise generator and every batch go there too."""
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
 
 
 def _run(model: nn.Module, optimizer: torch.optim.Optimizer, data: tuple[torch.Tensor, ...],
@@ -106,17 +105,17 @@ def _run(model: nn.Module, optimizer: torch.optim.Optimizer, data: tuple[torch.T
     loader = DataLoader(TensorDataset(*data), batch_size=batch_size,
                         generator=torch.Generator().manual_seed(batch_seed))
     engine = PrivacyEngine(accountant=privacy.accountant, secure_mode=False)
+    device = model_device(model)
     kwargs = dict(module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=noise_multiplier,
                   max_grad_norm=privacy.max_grad_norm, poisson_sampling=True,
                   grad_sample_mode=privacy.grad_sample_mode,
-                  noise_generator=noise_generator(model, noise_seed))
+                  noise_generator=torch.Generator(device=device).manual_seed(noise_seed))
     if privacy.grad_sample_mode == "ghost":
         module, dp_opt, criterion, dp_loader = engine.make_private(criterion=loss_module, **kwargs)
     else:
         module, dp_opt, dp_loader = engine.make_private(**kwargs)
         criterion = loss_module
     taken, loss_sum, seen = 0, 0.0, 0
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
     try:
         module.train()
         while taken < steps:

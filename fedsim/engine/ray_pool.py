@@ -334,7 +334,7 @@ class RayActorGrid(DriverGrid):
         limit = self.client_limit if limit is None else min(limit, self.client_limit)
         shipped: dict[int, Any] = {}  # id(content) -> ObjectRef: a shared payload is put once
         ids = []
-        by_actor: dict[str, list[_Call]] = {}  # calls_per_task > 1: each actor's calls, in order
+        by_actor: dict[str, list[_Call]] = {}  # each actor's calls, in order
         for msg in messages:
             msg_id = uuid.uuid4().hex
             msg.metadata.__dict__["_message_id"] = msg_id
@@ -343,12 +343,9 @@ class RayActorGrid(DriverGrid):
             call = _Call(msg_id, msg, shipped[id(msg.content)], limit)
             self._pending[msg_id] = call
             ids.append(msg_id)
-            if self.calls_per_task == 1:
-                self._submit(call)
-            else:
-                call.actor = self._actor_key(msg.metadata.dst_node_id)
-                by_actor.setdefault(call.actor, []).append(call)
-        for key, calls in by_actor.items():
+            call.actor = self._actor_key(msg.metadata.dst_node_id)
+            by_actor.setdefault(call.actor, []).append(call)
+        for key, calls in by_actor.items():  # a batch of one is a plain call (calls_per_task=1: all of them)
             for start in range(0, len(calls), self.calls_per_task):
                 self._submit_task(key, calls[start : start + self.calls_per_task])
         return ids
