@@ -90,7 +90,7 @@ def run(tree: Path, name: str, store: Path, timeout: float) -> Side:
 
 
 #: metrics that measure time, not results: listed, never compared
-TIMING = re.compile(r"seconds|wall|(^|[/_])time($|[/_])|latency|throughput|per_s(ec(ond)?)?($|[/_])|speed_?up|_ms($|/)")
+TIMING = re.compile(r"^timing/|seconds|wall|(^|[/_])time($|[/_])|latency|throughput|per_s(ec(ond)?)?($|[/_])|speed_?up|_ms($|/)")
 
 
 def results_only(metrics: dict[str, float]) -> dict[str, float]:

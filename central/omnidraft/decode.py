@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from central.lm.lean import LeanLlama, supports
 from central.omnidraft.exact import Path, draft_exact, full_mass, mass
 from central.omnidraft.online import AcceptanceHead, OnlineDistiller, TrainItem
 from central.omnidraft.verify import QRes, Verdict, sample_index, verify_greedy, verify_sample
@@ -28,14 +29,23 @@ from central.omnidraft.vocab import NgramCache, Proposal, VocabBridge, translate
 
 
 class CachedLM:
-    """A causal LM whose KV cache follows a token list (cropped on change, extended on forward)."""
+    """A causal LM whose KV cache follows a token list (cropped on change, extended on forward).
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    ``lean=True`` runs a supported Llama through :class:`central.lm.lean.LeanLlama` (the same function
+    with far fewer Python ops per token; its own K/V buffer); any other model keeps transformers'
+    forward with a ``DynamicCache``.
+    """
+
+    def __init__(self, model: torch.nn.Module, lean: bool = False) -> None:
         self.model = model
+        self.lean = LeanLlama(model) if lean and supports(model) else None
         self.ids: list[int] = []
         self.cache: DynamicCache | None = None
         self.n_cached = 0
         self.calls = 0
+        self.seconds = 0.0  # wall time inside the model's forward (profile of where decoding time goes)
+        self.rebuild_seconds = 0.0  # the part of it spent re-encoding the context after invalidate()
+        self._dropped = False
 
     def set_ids(self, ids: list[int]) -> None:
         keep = 0
@@ -49,14 +59,20 @@ class CachedLM:
         self.ids.append(token)
 
     def invalidate(self) -> None:
-        """Drop the cache (the weights changed)."""
-        self.cache, self.n_cached = None, 0
+        """Drop the cache (the weights changed): the next forward re-encodes the whole context."""
+        self.cache, self.n_cached, self._dropped = None, 0, True
+        if self.lean is not None:
+            self.lean.refresh()  # re-read the weights, LoRA folded in
 
     def _crop(self, keep: int) -> None:
+        if self.lean is not None:
+            self.n_cached = min(self.n_cached, keep)
+            self.lean.crop(self.n_cached)
+            return
         if self.cache is None or keep >= self.n_cached:
             return
         if keep == 0:
-            self.invalidate()
+            self.cache, self.n_cached = None, 0
             return
         self.cache.crop(keep - self.cache.get_seq_length())
         self.n_cached = keep
@@ -66,13 +82,26 @@ class CachedLM:
         """Logits (and last-layer hidden states) for every token the cache lacks (at least one)."""
         if self.n_cached >= len(self.ids):
             self._crop(len(self.ids) - 1)
+        rebuild, self._dropped = self._dropped, False
+        start = time.perf_counter()
+        if self.lean is not None:
+            self.lean.crop(self.n_cached)
+            logits, last = self.lean.forward(self.ids[self.n_cached :])
+            self._count(time.perf_counter() - start, rebuild)
+            return logits, (last if hidden else None)
         if self.cache is None:
             self.cache = DynamicCache(config=self.model.config)
         new = torch.tensor([self.ids[self.n_cached :]])
         out = self.model(input_ids=new, cache=self.cache, use_cache=True, output_hidden_states=hidden)
+        self._count(time.perf_counter() - start, rebuild)
+        return out.logits[0], (out.hidden_states[-1][0] if hidden else None)
+
+    def _count(self, spent: float, rebuild: bool) -> None:
+        self.seconds += spent
+        if rebuild:
+            self.rebuild_seconds += spent
         self.n_cached = len(self.ids)
         self.calls += 1
-        return out.logits[0], (out.hidden_states[-1][0] if hidden else None)
 
 
 @dataclass(frozen=True)
@@ -102,6 +131,7 @@ class DecodeConfig:
     head_rule: str = "token"  # "token": stop when P(accept this token) < threshold; "cumulative": ∏P < threshold
     cache_prompt: bool = False
     drafter_window: int = 0  # when the drafter context would pass this, keep its last half (0: never)
+    lean: bool = False  # both models through central.lm.lean where they are supported Llamas
 
 
 @dataclass
@@ -123,6 +153,11 @@ class Stats:
     decode_seconds: float = 0.0
     train_seconds: float = 0.0
     head_stops: int = 0
+    # where decode_seconds goes: the two models' forwards (the drafter's re-encodings of a dropped cache
+    # counted apart); the rest is Python: translation, cache look-ups, verification, bookkeeping
+    target_forward_seconds: float = 0.0
+    drafter_forward_seconds: float = 0.0
+    drafter_rebuild_seconds: float = 0.0
 
     @property
     def wasted(self) -> int:
@@ -174,7 +209,7 @@ class SpecDecoder:
                  cfg: DecodeConfig, eos: set[int], *, ngram_max: int = 6, distiller: OnlineDistiller | None = None,
                  head: AcceptanceHead | None = None) -> None:
         self.variant, self.bridge, self.cfg, self.eos = variant, bridge, cfg, eos
-        self.target, self.drafter = CachedLM(target), CachedLM(drafter)
+        self.target, self.drafter = CachedLM(target, cfg.lean), CachedLM(drafter, cfg.lean)
         self.cache = NgramCache(ngram_max) if variant.ngram else None
         self.distiller, self.head = distiller, head
         self.head_log: list[tuple[float, float]] = []  # (prediction made while drafting, label learned after)
@@ -183,6 +218,7 @@ class SpecDecoder:
     def generate(self, prompt: list[int], prompt_text: str, new_tokens: int, gen: torch.Generator) -> tuple[list[int], Stats]:
         stats = Stats()
         t_calls, d_calls = self.target.calls, self.drafter.calls
+        t_fwd, d_fwd, d_rebuild = self.target.seconds, self.drafter.seconds, self.drafter.rebuild_seconds
         start = time.perf_counter()
         committed, context = list(prompt), self.bridge.encode_text(prompt_text)
         if self.cache is not None and self.cfg.cache_prompt:
@@ -196,13 +232,16 @@ class SpecDecoder:
             out += new
             if self.distiller is not None:
                 t0 = time.perf_counter()
-                self.distiller.update(context, items)
+                self.distiller.update(context, items)  # calls the drafter module directly, not its CachedLM
                 self.drafter.invalidate()
                 stats.train_seconds += time.perf_counter() - t0
         out = _cut_at_eos(out, self.eos)
         stats.generated, stats.chars = len(out), len(self.bridge.target_text(out))
         stats.target_calls, stats.drafter_calls = self.target.calls - t_calls, self.drafter.calls - d_calls
         stats.decode_seconds = time.perf_counter() - start - stats.train_seconds
+        stats.target_forward_seconds = self.target.seconds - t_fwd
+        stats.drafter_forward_seconds = self.drafter.seconds - d_fwd
+        stats.drafter_rebuild_seconds = self.drafter.rebuild_seconds - d_rebuild
         return out, stats
 
     def _block(self, committed: list[int], context: list[int], remaining: int, gen: torch.Generator,

@@ -31,6 +31,8 @@ class OmniDraftParams:
     drafter_vocab: int = 0
     dtype: str = "float32"  # "float64" makes chunked and one-token forwards agree to ~1e-15
     threads: int = 1  # torch CPU threads during the run (1 is far faster for tiny models on a busy machine)
+    lean_forward: bool = True  # decode both models with central.lm.lean (same function, ~3x less overhead per
+    #                            forward for the tiny LMs); false: transformers' forward, as before issue #26's profile
     # the stream
     variants: str = "abcd"  # letters of the variants to run, in order; the last one gives the unsuffixed headline
     shuffle_stream: bool = True  # visit the held-out files in a seeded order (False: sorted by path)
@@ -171,7 +173,8 @@ def stream_prompts(target_tok: Any, n: int, prompt_tokens: int, new_tokens: int,
 def build_decoder(letter: str, m: Models, bridge: VocabBridge, p: OmniDraftParams, ctx: CentralContext) -> SpecDecoder:
     variant = VARIANTS[letter]
     cfg = DecodeConfig(k=p.k, greedy=p.mode == "greedy", temperature=p.temperature, head_threshold=p.head_threshold,
-                       head_rule=p.head_rule, cache_prompt=p.cache_prompt, drafter_window=p.drafter_window)
+                       head_rule=p.head_rule, cache_prompt=p.cache_prompt, drafter_window=p.drafter_window,
+                       lean=p.lean_forward)
     drafter = copy.deepcopy(m.drafter) if variant.distill else m.drafter
     distiller = head = None
     if variant.distill:
@@ -210,7 +213,7 @@ def _run(ctx: CentralContext) -> dict[str, float]:
     prompts = stream_prompts(m.target_tok, p.prompts, p.prompt_tokens, p.new_tokens,
                              ctx.rng("stream") if p.shuffle_stream else None)
     decoders = {v: build_decoder(v, m, bridge, p, ctx) for v in p.variants}
-    baseline = CachedLM(m.target)
+    baseline = CachedLM(m.target, p.lean_forward)  # target-only decoding runs the same forward as the verifier
     greedy = p.mode == "greedy"
     rows: list[dict[str, Any]] = []
     outputs: dict[str, list[list[int]]] = {v: [] for v in p.variants}
@@ -237,10 +240,13 @@ def _run(ctx: CentralContext) -> dict[str, float]:
             ctx.log_metrics(step, step=i + 1)
             bar.advance()
     dist = _dist_checks(p, ctx)
-    summary = [_summary(v, totals[v], sum(base_seconds), rows, greedy_identical(outputs[v], reference) if greedy
+    base = Baseline(sum(base_seconds), baseline.seconds, baseline.calls)
+    summary = [_summary(v, totals[v], base, rows, greedy_identical(outputs[v], reference) if greedy
                         else float("nan"), [r for r in dist if r["sampler"] == "exact" and r["variant"] == v],
                         decoders[v]) for v in p.variants]
     _log_outputs(ctx, p, m, bridge, rows, summary, dist, decoders)
+    ctx.log_table(time_split_rows(summary, base), "time_split")
+    ctx.log_figure(_plot_time_split(summary, base), "where_the_time_goes")
     out = _headline(summary, p.variants[-1], reference, base_seconds)
     control = [r["chi2_pvalue"] for r in dist if r["sampler"] != "exact"]
     if control:
@@ -269,8 +275,67 @@ def _dist_checks(p: OmniDraftParams, ctx: CentralContext) -> list[dict[str, Any]
     return exactness_check(p.dist_samples, seed=int(ctx.seed("dist")) % 2**31, variants=p.variants, k=p.k)
 
 
-def _summary(v: str, t: Stats, base_seconds: float, rows: list[dict[str, Any]], identical: float,
+@dataclass(frozen=True)
+class Baseline:
+    """Target-only decoding of the same prompts: total seconds, the part inside the forward, forwards."""
+
+    seconds: float
+    forward_seconds: float
+    calls: int
+
+    @property
+    def per_call(self) -> float:
+        return self.forward_seconds / max(1, self.calls)
+
+
+def profile(t: Stats, base: Baseline) -> dict[str, float]:
+    """Where one variant's decoding time goes, and what the drafter would have to cost to break even.
+
+    Shares split ``decode_seconds`` into the target's forwards, the drafter's (its re-encodings of a
+    cache dropped after a distillation step counted apart) and the rest (Python: translation, n-gram
+    look-ups, verification, bookkeeping).  ``drafter_cost_ratio`` is one drafter forward over one
+    target-only forward; ``breakeven_cost_ratio`` is the ratio at which the speed-up would be 1 with
+    everything else as measured (<= 0: even a free drafter loses); ``speedup_free_drafter`` is the
+    speed-up with drafting free.
+    """
+    decode = max(1e-9, t.decode_seconds)
+    python = decode - t.target_forward_seconds - t.drafter_forward_seconds
+    drafter_ms = t.drafter_forward_seconds / max(1, t.drafter_calls)
+    without_drafter = decode - t.drafter_forward_seconds
+    return {"target_ms_per_call": 1e3 * t.target_forward_seconds / max(1, t.target_calls),
+            "drafter_ms_per_call": 1e3 * drafter_ms, "baseline_ms_per_call": 1e3 * base.per_call,
+            "drafter_calls_per_target_call": t.drafter_calls / max(1, t.target_calls),
+            "share_target": t.target_forward_seconds / decode,
+            "share_drafter": (t.drafter_forward_seconds - t.drafter_rebuild_seconds) / decode,
+            "share_drafter_rebuild": t.drafter_rebuild_seconds / decode, "share_python": python / decode,
+            "drafter_cost_ratio": drafter_ms / max(1e-12, base.per_call),
+            "breakeven_cost_ratio": (base.seconds - without_drafter) / max(1, t.drafter_calls) / max(1e-12, base.per_call),
+            "speedup_free_drafter": base.seconds / max(1e-9, without_drafter)}
+
+
+PROFILE_HEADLINE = ("drafter_cost_ratio", "breakeven_cost_ratio", "speedup_free_drafter", "share_target",
+                    "share_drafter", "share_drafter_rebuild", "share_python")
+
+
+def time_split_rows(summary: list[dict[str, Any]], base: Baseline) -> list[dict[str, Any]]:
+    """One row per variant and one for target-only decoding: seconds by where they went."""
+    rows = [{"decoder": "target only", "seconds": round(base.seconds, 3), "target_forward": round(base.forward_seconds, 3),
+             "drafter_forward": 0.0, "drafter_rebuild": 0.0, "python": round(base.seconds - base.forward_seconds, 3),
+             "target_calls": base.calls, "ms_per_target_call": round(1e3 * base.per_call, 3), "speedup": 1.0}]
+    for s in summary:
+        d = s["decode_seconds"]
+        rows.append({"decoder": f"({s['variant']})", "seconds": round(d, 3),
+                     "target_forward": round(d * s["share_target"], 3),
+                     "drafter_forward": round(d * s["share_drafter"], 3),
+                     "drafter_rebuild": round(d * s["share_drafter_rebuild"], 3),
+                     "python": round(d * s["share_python"], 3), "target_calls": s["target_calls"],
+                     "ms_per_target_call": round(s["target_ms_per_call"], 3), "speedup": round(s["speedup"], 3)})
+    return rows
+
+
+def _summary(v: str, t: Stats, base: Baseline, rows: list[dict[str, Any]], identical: float,
              dist: list[dict[str, Any]], dec: SpecDecoder) -> dict[str, Any]:
+    base_seconds = base.seconds
     per_prompt = np.array([r["accepted_per_call"] for r in rows if r["variant"] == v])
     b_rows = np.array([r["accepted_per_call"] for r in rows if r["variant"] == "b"])
     calls = max(1, t.target_calls)
@@ -288,7 +353,8 @@ def _summary(v: str, t: Stats, base_seconds: float, rows: list[dict[str, Any]], 
             "exact_pvalue": min(r["chi2_pvalue"] for r in dist) if dist else float("nan"),
             "exact_tv": max(r["tv"] for r in dist if "," not in r["position"]) if dist else float("nan"),
             "ngram_entries": len(dec.cache) if dec.cache else 0,
-            "head_stops": t.head_stops, "target_calls": t.target_calls, "generated": t.generated}
+            "head_stops": t.head_stops, "target_calls": t.target_calls, "generated": t.generated,
+            "decode_seconds": t.decode_seconds, **profile(t, base)}
 
 
 def _rise(per_prompt: np.ndarray) -> float:
@@ -324,6 +390,8 @@ def _headline(summary: list[dict[str, Any]], last: str, reference: list[list[int
                 out[f"{key}/{s['variant']}"] = float(s[key])
                 if s["variant"] == last:
                     out[key] = float(s[key])
+        for key in PROFILE_HEADLINE:  # timings: they differ run to run (before_after.py leaves timing/ out)
+            out[f"timing/{key}/{s['variant']}"] = float(s[key])
     out["target_only/tokens_per_second"] = sum(len(r) for r in reference) / max(1e-9, sum(base_seconds))
     return out
 
@@ -397,6 +465,33 @@ def _plot_bars(summary: list[dict[str, Any]]) -> Any:
     for ax in axes:
         ax.set_xticks(x, names)
         ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    return fig
+
+
+def _plot_time_split(summary: list[dict[str, Any]], base: Baseline) -> Any:
+    """Stacked seconds per decoder: target forwards, drafter forwards, drafter re-encodings, Python."""
+    from fedsim.mpl import use_agg
+
+    use_agg()
+    import matplotlib.pyplot as plt
+
+    rows = time_split_rows(summary, base)
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    x = np.arange(len(rows))
+    bottom = np.zeros(len(rows))
+    for key, label in (("target_forward", "target forwards"), ("drafter_forward", "drafter forwards"),
+                       ("drafter_rebuild", "drafter re-encoding (cache dropped)"), ("python", "Python (translation, verification, ...)")):
+        values = np.array([r[key] for r in rows], dtype=float)
+        ax.bar(x, values, 0.6, bottom=bottom, label=label)
+        bottom += values
+    for xi, r in zip(x, rows):
+        ax.text(xi, bottom[xi], f"{r['speedup']:.2f}x", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(x, [r["decoder"] for r in rows])
+    ax.set_ylabel("seconds (decoding only)")
+    ax.set_title("where the decoding time goes (labels: speed-up vs target-only)")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
     return fig
 

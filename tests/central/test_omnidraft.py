@@ -315,11 +315,27 @@ def test_run_is_seeded_and_logs_tables_and_plots(tmp_path) -> None:
         return run_central(cfg)
 
     a, b = once(0), once(0)
-    deterministic = [k for k in a.metrics if not k.startswith(("speedup", "target_only"))]
+    deterministic = [k for k in a.metrics if not k.startswith(("speedup", "target_only", "timing/"))]
     assert {k: a.metrics[k] for k in deterministic} == {k: b.metrics[k] for k in deterministic}
     assert a.metrics["greedy_identical"] == 1.0 and "accepted_per_call/a" in a.metrics
     assert {"variants", "stream", "models", "sampling_exactness", "ngram_cache"} <= set(a.tables)
     assert [r.round for r in a.history.records] == [1, 2]
+
+
+def test_claim_spec_reads_only_metrics_a_run_of_its_mode_logs(tmp_path) -> None:
+    from central.omnidraft.method import check as check_params
+    from fedsim.central_runner import run_central
+    from tests.central.claim_spec import checked_claim_spec, logged_metrics
+
+    spec, grid = checked_claim_spec("omnidraft", check_params)
+    assert [s["params.mode"] for s in grid] == ["greedy", "sample"] and spec.has_protocol and len(spec.seeds) >= 3
+    for mode in ("greedy", "sample"):
+        cfg = C.load_central_config(_yaml(tmp_path), [f"params.mode={mode}"], seed=0)
+        cfg.tracking.enabled = False
+        logged = logged_metrics(run_central(cfg))
+        read = {m for c in [*spec.claim, *spec.controls.positive] if c.at == {"params.mode": mode}
+                for m in c.metrics(spec.metric)}
+        assert read and not read - logged, f"{mode}: the claim spec reads metrics no run logs: {sorted(read - logged)}"
 
 
 def test_bad_params_give_one_line_config_errors(tmp_path, capsys) -> None:
@@ -344,3 +360,40 @@ def test_smollm2_target_with_its_own_tokenizer_stays_lossless_under_greedy() -> 
     dec = build_decoder("d", m, bridge, params, _Ctx())
     out, stats = dec.generate(prompt, bridge.target_text(prompt).decode("utf-8", "replace"), 12, torch.Generator())
     assert out == ref and stats.target_calls <= len(out)
+
+
+# -- where the time goes (issue #26: OmniDraft is slower than plain decoding; the profile says why) --------
+
+
+@pytest.mark.parametrize("letter", ["b", "c"])
+def test_decoding_time_splits_into_forwards_rebuilds_and_python(models, letter) -> None:
+    m, bridge, prompts = models
+    dec = build_decoder(letter, m, bridge, SMALL, _Ctx())
+    _, prompt = prompts[0]
+    _, stats = dec.generate(prompt, bridge.target_text(prompt).decode("utf-8", "replace"), 20, torch.Generator())
+    assert 0 < stats.target_forward_seconds and 0 < stats.drafter_forward_seconds
+    assert stats.target_forward_seconds + stats.drafter_forward_seconds <= stats.decode_seconds
+    assert stats.drafter_rebuild_seconds <= stats.drafter_forward_seconds
+    # (c) drops the drafter's cache after every distillation step, so it re-encodes its context; (b) never does
+    assert (stats.drafter_rebuild_seconds > 0) == (letter == "c")
+
+
+def test_profile_shares_add_up_and_the_breakeven_cost_gives_a_speedup_of_one() -> None:
+    from central.omnidraft.decode import Stats
+    from central.omnidraft.method import Baseline, profile
+
+    t = Stats(target_calls=10, drafter_calls=40, decode_seconds=2.0, target_forward_seconds=0.8,
+              drafter_forward_seconds=0.9, drafter_rebuild_seconds=0.3)
+    base = Baseline(seconds=1.5, forward_seconds=1.2, calls=30)  # 40 ms per target-only forward
+    got = profile(t, base)
+    shares = got["share_target"] + got["share_drafter"] + got["share_drafter_rebuild"] + got["share_python"]
+    assert shares == pytest.approx(1.0) and got["share_python"] == pytest.approx(0.15)
+    assert got["drafter_cost_ratio"] == pytest.approx(22.5 / 40) and got["drafter_calls_per_target_call"] == 4
+    # with each drafter forward at the break-even cost, decoding takes exactly as long as target-only
+    at_breakeven = (t.decode_seconds - t.drafter_forward_seconds) + t.drafter_calls * got["breakeven_cost_ratio"] * 0.04
+    assert at_breakeven == pytest.approx(base.seconds)
+    assert got["speedup_free_drafter"] == pytest.approx(1.5 / 1.1)
+    # a decoder that loses even with free drafting has no positive break-even cost
+    slow = profile(Stats(target_calls=10, drafter_calls=40, decode_seconds=2.0, target_forward_seconds=1.6,
+                         drafter_forward_seconds=0.1), base)
+    assert slow["breakeven_cost_ratio"] < 0 and slow["speedup_free_drafter"] < 1
