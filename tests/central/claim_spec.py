@@ -18,3 +18,14 @@ def checked_claim_spec(name: str, check: Callable[[Any], None]) -> tuple[Any, li
         check(method_params(reproduce.build_config(spec, setting, 0)))
     assert read_configurations(spec, grid) == set(range(len(grid))), "a child that no verdict reads"
     return spec, grid
+
+
+def read_metrics(spec: Any) -> set[str]:
+    """Every metric a claim or positive control of ``spec`` reads."""
+    comparisons = [*spec.claim, *(spec.controls.positive if spec.controls else [])]
+    return {m for c in comparisons for m in c.metrics(spec.metric)}
+
+
+def logged_metrics(summary: Any) -> set[str]:
+    """Every metric name a central run returned or logged at any step."""
+    return set(summary.metrics) | {k for record in summary.history.records for k in record.metrics}

@@ -286,6 +286,12 @@ def test_run_end_to_end_on_the_test_lm_is_seeded_and_consistent(tmp_path) -> Non
     assert rows["window(k=16)"]["copies_per_step"] == 0 and rows["window(k=16)"]["mem_frac"] < 1
     assert a.metrics["headline/dloss"] == a.metrics["dloss/lrqk"] == rows["lrqk(r=4,k=16)"]["dloss"]
     assert len(a.tables["per_layer_headline"]) == 4 * 2  # 4 methods x 2 layers
+    from tests.central.claim_spec import checked_claim_spec, logged_metrics, read_metrics
+
+    spec, grid = checked_claim_spec("lrqk", check)
+    assert [s["params.model"] for s in grid] == ["smollm2", "tiny"] and spec.has_protocol and len(spec.seeds) >= 3
+    missing = read_metrics(spec) - logged_metrics(a)
+    assert not missing, f"the claim spec reads metrics no run logs: {sorted(missing)}"
 
 
 @pytest.mark.slow

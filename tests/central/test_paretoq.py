@@ -226,15 +226,18 @@ def test_bad_params_are_one_line_config_errors(override, message) -> None:
     assert "\n" not in str(info.value)
 
 
-def test_claim_spec_grids_the_qat_fraction_over_valid_configs() -> None:
-    from fedsim.central_runner import method_params
-    from fedsim import reproduce
+def test_claim_spec_grids_the_qat_fraction_over_valid_configs_and_reads_what_a_run_logs(tmp_path) -> None:
+    from tests.central.claim_spec import checked_claim_spec, logged_metrics, read_metrics
 
-    spec = reproduce.load_claim("paretoq")
-    settings = reproduce.settings(spec)
-    fractions = []
-    for setting in settings:
-        params = method_params(reproduce.build_config(spec, setting, 0))
-        R.check(params)
-        fractions += params.fractions
-    assert fractions == [0.0, 0.05, 0.1, 0.2, 0.5, 1.0] and spec.metric == "heldout_loss/mean_bits"
+    spec, grid = checked_claim_spec("paretoq", R.check)
+    fractions = [f for setting in grid for f in setting["params.fractions"]]
+    assert fractions == [0.0, 0.1, 0.2, 1.0] and spec.metric == "heldout_loss/mean_bits" and spec.has_protocol
+    assert len(spec.seeds) >= 3 and spec.controls.positive and spec.controls.floor.value == pytest.approx(6.238, abs=1e-3)
+    # the spec's widths and bit widths on the test preset, both fractions its claims read by name
+    path = tmp_path / "pq.yaml"
+    path.write_text("method: paretoq\nseed: 0\ntracking: {enabled: false}\nparams:\n"
+                    "  preset: test\n  widths: [64, 96]\n  n_layers: 1\n  batch_size: 2\n  seq_len: 32\n"
+                    "  corpus_chars: 60000\n  budget_steps: 10\n  bits: [1, 1.58, 2, 3, 4]\n  fractions: [0.0, 0.1]\n"
+                    "  eval_chars: 20000\n  eval_windows: 2\n")
+    missing = read_metrics(spec) - logged_metrics(run_central(C.load_central_config(str(path))))
+    assert not missing, f"the claim spec reads metrics no run logs: {sorted(missing)}"
