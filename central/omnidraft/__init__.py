@@ -89,6 +89,16 @@ Deviations and caveats (deliberate)
   run in the background); ``acceptance_rise`` = last third minus first third of the stream (per-prompt
   accepted per call), ``rise_vs_b`` the same for the per-prompt gain over (b); ``head_auc`` = ROC AUC
   of the head's predictions, made while drafting, against the acceptances learned afterwards.
+* Speed (issue #26).  Every run profiles its decoding: ``CachedLM`` times each model's forwards, so
+  each variant's decode time splits into target forwards, drafter forwards, drafter re-encodings after
+  a distillation step (its KV cache is dropped) and Python (translation, n-gram look-ups,
+  verification, bookkeeping): the ``time_split`` table, the ``where_the_time_goes`` plot and the
+  ``timing/*`` metrics, with the drafter-to-target forward cost ratio and the ratio at which the
+  speed-up would be 1.  The profile showed transformers' per-forward Python overhead making the
+  0.27M drafter's forward cost as much as the 4.2M target's, so both models (and the target-only
+  baseline) decode through :mod:`central.lm.lean` by default (``lean_forward``): the same function
+  (tested to 1e-10 in float64), several times less overhead per forward.  ``lean_forward=false`` is
+  transformers' forward; ``benchmarks/bench_omnidraft.py`` compares the two.
 * Wall-clock timings run with ``threads`` torch threads (default 1: on a shared 2-core machine
   OpenMP spinning makes 2 threads up to ~30× slower for these tiny models).
 """
