@@ -406,9 +406,23 @@ def test_a_failed_control_marks_claims_invalid_and_resume_reads_tuning_back(tmp_
 def test_the_quick_specs_declare_the_protocol() -> None:
     from fedsim.reproduce import load_claim
 
-    for name in ("fedsvd_quick", "fedphoenix_quick"):  # load_claim validates claims and controls
+    for name in ("fedsvd_quick", "fedsvd_eps", "fedphoenix_quick"):  # load_claim validates claims and controls
         spec = load_claim(name)
         assert spec.claim and spec.controls.positive and spec.controls.floor and spec.controls.ceiling
+
+
+def test_fedsvd_eps_reuses_fedsvd_quicks_chosen_rates_and_reads_every_cell() -> None:
+    from fedsim.claim_protocol import read_configurations
+    from fedsim.reproduce import load_claim, settings
+
+    quick, eps = load_claim("fedsvd_quick"), load_claim("fedsvd_eps")
+    assert {c.at["eps"] for c in eps.claim} == {1, 6} and quick.claim[0].at == {"eps": 3}
+    # one candidate per method: the rate fedsvd_quick's tuning chose (docs/claims/fedsvd_quick)
+    assert {m: g["client.lr"] for m, g in eps.tune.methods.items()} == {"fedsvd": [0.5], "ffa_lora": [1.0],
+                                                                          "fedavg_lora": [0.25]}
+    assert all(v in quick.tune.methods[m]["client.lr"] for m, g in eps.tune.methods.items() for v in g["client.lr"])
+    grid = settings(eps)
+    assert read_configurations(eps, grid) == set(range(len(grid))) and len(grid) == 5
 
 
 # -- the validation split that tuning selects on ------------------------------------------------
