@@ -545,3 +545,16 @@ def test_curves_plot_draws_floor_and_ceiling(tmp_path, monkeypatch) -> None:
                        references={"floor": 0.1, "ceiling": 0.68})
     assert [p.name for p in paths] == ["curves.png"] and paths[0].stat().st_size > 0
     assert drawn == [(0.1, "floor (0.1)"), (0.68, "ceiling (0.68)")]
+
+
+def test_fedsvd_control_spec_compares_fedsvd_with_its_orthonormal_a_control_at_one_rate() -> None:
+    from fedsim.claim_protocol import read_configurations
+    from fedsim.reproduce import build_config, load_claim, settings
+
+    spec = load_claim("fedsvd_control")
+    grid = settings(spec)
+    (claim,) = spec.claim
+    assert claim.kind == "equivalence" and claim.margin == 0.02 and read_configurations(spec, grid) == {0, 1}
+    cfgs = [build_config(spec, setting, 0) for setting in grid]
+    assert [c.strategy.name for c in cfgs] == ["fedsvd", "ffa_lora"] and {c.client.lr for c in cfgs} == {0.5}
+    assert cfgs[1].strategy.params["orthonormalise_a"] == "first_round" and {c.privacy.epsilon for c in cfgs} == {1.0}
