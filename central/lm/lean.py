@@ -72,8 +72,7 @@ class LeanLlama:
         self.scaling = self.head_dim ** -0.5
         weight = model.model.embed_tokens.weight
         self.dtype, self.device = weight.dtype, weight.device
-        self.k = torch.zeros(0)
-        self.v = torch.zeros(0)
+        self.k = self.v = torch.zeros(0, 0, 0, 0)  # (layers, kv heads, capacity, head dim), grown by _reserve
         self.length = 0
         self._cos = self._sin = torch.zeros(0)
         self.refresh()
@@ -100,13 +99,13 @@ class LeanLlama:
 
     def _reserve(self, total: int) -> None:
         """Room for ``total`` positions in the K/V buffers and the RoPE tables (doubling as needed)."""
-        capacity = self.k.shape[-2] if self.k.dim() == 4 else 0
+        capacity = self.k.shape[2]
         if total <= capacity:
             return
         size = max(64, total, 2 * capacity)
         shape = (len(self.layers), self.n_kv, size, self.head_dim)
         k, v = torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device)
-        if self.k.dim() == 4 and self.length:
+        if self.length:
             k[:, :, : self.length], v[:, :, : self.length] = self.k[:, :, : self.length], self.v[:, :, : self.length]
         self.k, self.v = k, v
         probe = torch.zeros(1, dtype=self.dtype, device=self.device)

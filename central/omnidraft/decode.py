@@ -84,8 +84,7 @@ class CachedLM:
             self._crop(len(self.ids) - 1)
         rebuild, self._dropped = self._dropped, False
         start = time.perf_counter()
-        if self.lean is not None:
-            self.lean.crop(self.n_cached)
+        if self.lean is not None:  # its cache length follows n_cached (_crop, invalidate, _count)
             logits, last = self.lean.forward(self.ids[self.n_cached :])
             self._count(time.perf_counter() - start, rebuild)
             return logits, (last if hidden else None)
