@@ -9,6 +9,7 @@ The optional sections of ``experiments/reproduce/<name>.yaml`` (see :mod:`fedsim
         metric: eval/accuracy               # default: the spec's metric
         margin: 0.01                        # superiority: mean(better - worse) > margin
       - {kind: equivalence, better: {...}, worse: {...}, margin: 0.02}   # |a - b| < margin
+      - {better: {...}, worse: {...}, needs: ["Tent degrades"]}   # gated by these controls only (names)
       - at: {params.num_tasks: 3}           # two metrics of one configuration (a centralised run that
         better_metric: adapt/acc/lora_ml    # evaluates every method itself): better/worse may then be
         worse_metric: adapt/acc/retrain     # empty, and both sides may pick the same configuration
@@ -18,6 +19,7 @@ The optional sections of ``experiments/reproduce/<name>.yaml`` (see :mod:`fedsim
         higher_is_better: false
     controls:
       positive:                             # comparisons whose outcome is known; one failing -> invalid
+                                            # (every claim, or only the claims whose ``needs`` name it)
         - {better: {strategy.name: ffa_lora}, worse: {strategy.name: fedavg_lora}, at: {eps: 1}}
       floor: {value: 0.1, source: "chance, 10 classes"}        # or {setting: {...}} / {overrides: [...]}
       ceiling: {value: 0.68, source: "centralised non-private probe, issue #24"}
@@ -65,6 +67,9 @@ class Comparison:
     kind: str = V.SUPERIORITY  # superiority | equivalence
     higher_is_better: bool = True
     name: str = ""  # shown instead of the built text
+    #: A claim's premises: the names of the positive controls it depends on (default: every control).
+    #: A claim that a failed control does not concern keeps its verdict.
+    needs: list[str] = field(default_factory=list)
 
     def metrics(self, spec_metric: str) -> tuple[str, ...]:
         """The metrics the comparison reads: (better side's, worse side's), or (better side's,)
@@ -197,6 +202,16 @@ def validate_protocol(spec: Any, grid: list[dict[str, Any]], path: str) -> None:
         _check_comparison(comp, grid, f"{path}: claim {i + 1}")
     for i, comp in enumerate(spec.controls.positive):
         _check_comparison(comp, grid, f"{path}: controls.positive {i + 1}")
+        if comp.needs:
+            raise ConfigError(f"{path}: controls.positive {i + 1}: `needs` belongs to claims (the controls they "
+                              "depend on), not to a control")
+    names = [c.name for c in spec.controls.positive]
+    for i, comp in enumerate(spec.claim):
+        unknown = [n for n in comp.needs if n not in names]
+        if unknown:
+            known = ", ".join(repr(n) for n in names if n) or "none (give the controls a `name`)"
+            raise ConfigError(f"{path}: claim {i + 1} needs {unknown[0]!r}, which names no positive control; "
+                              f"named controls: {known}")
     for role in ("floor", "ceiling"):
         ref = getattr(spec.controls, role)
         if ref is not None:
@@ -348,7 +363,8 @@ def _evaluate(spec: Any, comp: Comparison, grid_results: list[Any], what: str, c
 
 
 def verdict_rows(spec: Any, results: list[Any]) -> list[VerdictRow]:
-    """The controls first (a control passes when it holds), then every claim (``invalid`` if one failed).
+    """The controls first (a control passes when it holds), then every claim (``invalid`` if a control it
+    needs failed: those its ``needs`` names, else every control).
 
     A comparison a seed has no value for gets its own ``no data`` row (a control without data has not
     passed); the other rows are still decided.
@@ -356,10 +372,13 @@ def verdict_rows(spec: Any, results: list[Any]) -> list[VerdictRow]:
     grid_results = [r for r in results if not r.role]
     controls = [_evaluate(spec, c, grid_results, f"controls.positive {i + 1}", True, "control", "")
                 for i, c in enumerate(spec.controls.positive)]
-    passed = all(row.verdict.verdict == V.HOLDS for row in controls)
-    control = ("passed" if passed else "failed") if controls else "none"
-    claims = [_evaluate(spec, c, grid_results, f"claim {i + 1}", passed, "claim", control)
-              for i, c in enumerate(spec.claim)]
+    held = {i: row.verdict.verdict == V.HOLDS for i, row in enumerate(controls)}
+    claims = []
+    for i, c in enumerate(spec.claim):
+        needed = [j for j, ctl in enumerate(spec.controls.positive) if not c.needs or ctl.name in c.needs]
+        passed = all(held[j] for j in needed)
+        control = ("passed" if passed else "failed") if needed else "none"
+        claims.append(_evaluate(spec, c, grid_results, f"claim {i + 1}", passed, "claim", control))
     return controls + claims
 
 

@@ -354,6 +354,46 @@ def test_a_seed_without_a_value_gives_its_comparison_a_no_data_row_and_the_other
     assert "verdicts not computed" not in "\n".join(protocol_markdown(spec, results, []))
 
 
+def test_a_claim_is_gated_only_by_the_controls_it_needs(tmp_path) -> None:
+    """``needs`` names a claim's premises: a failing control voids the claims that need it (and, without
+    ``needs``, every claim), while a claim resting on a passing control keeps its verdict."""
+    from fedsim.reproduce import load_claim, run_claim, verdicts_or_error
+
+    protocol = ("claim:\n"
+                "  - {better: {strategy.name: fedprox}, worse: {strategy.name: fedavg}, at: {client.local_epochs: 1},"
+                " needs: [mut helps]}\n"
+                "  - {better: {strategy.name: fedmut}, worse: {strategy.name: fedavg}, at: {client.local_epochs: 1},"
+                " needs: [prox hurts]}\n"
+                "  - {better: {strategy.name: fedmut}, worse: {strategy.name: fedprox}, at: {client.local_epochs: 1}}\n"
+                "controls:\n  positive:\n"
+                "    - {name: mut helps, better: {strategy.name: fedmut}, worse: {strategy.name: fedavg},"
+                " at: {client.local_epochs: 2}}\n"
+                "    - {name: prox hurts, better: {strategy.name: fedavg}, worse: {strategy.name: fedprox},"
+                " at: {client.local_epochs: 2}}\n")
+    spec = load_claim(_spec_file(tmp_path, BASE + protocol), seeds=3, extra_overrides=["tracking.enabled=false"])
+    results, _ = run_claim("c", spec, run_one=fake_runner([]))
+    rows, error = verdicts_or_error(spec, results)
+    assert error is None
+    assert [(r.verdict.verdict, r.control) for r in rows] == [
+        ("holds", ""), ("fails", ""),  # fedmut 0.58 > fedavg 0.50; fedavg 0.50 < fedprox 0.60
+        ("holds", "passed"),  # needs only "mut helps"
+        ("invalid", "failed"), ("invalid", "failed")]  # needs "prox hurts"; no `needs`: every control
+
+
+@pytest.mark.parametrize("protocol, message", [
+    ("claim: {better: {strategy.name: fedprox}, worse: {strategy.name: fedavg}, at: {client.local_epochs: 1},"
+     " needs: [nope]}\ncontrols: {positive: {name: real, better: {strategy.name: fedmut}, worse: {strategy.name: fedavg},"
+     " at: {client.local_epochs: 2}}}", "claim 1 needs 'nope', which names no positive control; named controls: 'real'"),
+    ("claim: {better: {strategy.name: fedprox}, worse: {strategy.name: fedavg}, at: {client.local_epochs: 1}}\n"
+     "controls: {positive: {needs: [x], better: {strategy.name: fedmut}, worse: {strategy.name: fedavg},"
+     " at: {client.local_epochs: 2}}}", "`needs` belongs to claims"),
+])
+def test_needs_naming_no_control_is_one_line_exit_2(tmp_path, in_tmp, capsys, protocol: str, message: str) -> None:
+    assert main(["reproduce", _spec_file(tmp_path, BASE + protocol + "\n")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fedsim: error: ") and message in err and err.count("\n") == 1
+
+
 def _artifact(client, run_id: str, name: str) -> str:
     return Path(client.download_artifacts(run_id, name)).read_text()
 
