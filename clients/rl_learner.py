@@ -148,7 +148,8 @@ class RLLearner(Learner):
                                           ctx.partition_id, self.cfg.num_clients, self.cfg.seed)
         _save_state(ctx, state)
         steps = self.p.iterations_per_round * self.p.ppo.batch_size
-        return TrainResult({k: v.detach().clone() for k, v in out.items()}, num_examples=steps, metrics=metrics)
+        return TrainResult({k: v.detach().clone() for k, v in out.items()}, num_examples=steps, metrics=metrics,
+                           owned=True)
 
     def evaluate(self, arrays: StateDict, ctx: NodeContext) -> EvalResult:
         """The latest policy on this node's instance of the current task."""

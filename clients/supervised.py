@@ -41,6 +41,7 @@ from fedsim.contracts.learner import EvalResult, Learner, NodeContext, StateDict
 from fedsim.contracts.learner import local_steps as num_local_steps
 from fedsim.contracts.transforms import apply_transforms
 from fedsim.contracts.wire import LORA_TRAIN_A, LORA_TRAIN_B, PROXIMAL_MU
+from clients.model_state import FreshOptimiser, load_state
 from envs.federated import FederatedData, load_federated_data_cached
 from envs.plots import plot_label_histogram
 from fedsim.config import ExperimentConfig
@@ -137,6 +138,7 @@ class SupervisedLearner(Learner):
         self.dp = PrivateTrainer(cfg)  # sample-level DP-SGD (privacy/facade.py)
         self.device = resolve_device(cfg.engine.device)  # engine.device (fedsim/device.py)
         self._on_device: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}  # id(split) -> (split, x, y)
+        self._fresh_optimiser = FreshOptimiser(lambda params: optimizer_for(params, self.cfg))  # non-DP rounds
 
     # -- resident state ---------------------------------------------------------------------
     @property
@@ -166,7 +168,7 @@ class SupervisedLearner(Learner):
                 raise KeyError(f"arrays carry keys the model does not have: {sorted(unknown)[:3]}")
             model.load_state_dict(arrays, strict=False)
         else:
-            model.load_state_dict(arrays, strict=True)
+            load_state(model, arrays)  # load_state_dict(strict=True), without its per-module walk
         return model
 
     def _tensors(self, ds: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,7 +189,7 @@ class SupervisedLearner(Learner):
 
     @staticmethod
     def _reply_arrays(model: nn.Module) -> StateDict:
-        """Everything for plain models; only what was trained for adapter models."""
+        """Everything for plain models; only what was trained for adapter models (fresh host copies)."""
         state = model.state_dict()
         keys = model.trainable_keys() if hasattr(model, "federated_keys") else list(state)
         return {k: to_host(state[k]) for k in keys}
@@ -264,14 +266,16 @@ class SupervisedLearner(Learner):
         transformed = apply_transforms(model, ctx.config)
         model.train()
         seed_torch(ctx.seed("torch"))  # dropout and any other global-RNG use
-        optimizer = make_optimizer(model, self.cfg)
+        # a fresh optimiser each round, as in FedAvg (the non-DP one reused with its state cleared; Opacus
+        # wraps the DP one, so that one is built anew)
+        optimizer = make_optimizer(model, self.cfg) if self.sample_level_dp else self._fresh_optimiser(model)
         if self.sample_level_dp:
             mean_loss, steps, extra = self._train_private(model, x, y, ctx, optimizer)
         else:
             mean_loss, steps, extra = self._train_plain(model, x, y, ctx, optimizer), num_local_steps(len(y), self.cfg), {}
         self._anchor = None
         metrics = {"train_loss": mean_loss, "local_steps": float(steps), **transformed, **extra}
-        return TrainResult(self._reply_arrays(model), num_examples=len(y), metrics=metrics)
+        return TrainResult(self._reply_arrays(model), num_examples=len(y), metrics=metrics, owned=True)
 
     def _train_plain(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, ctx: NodeContext,
                      optimizer: torch.optim.Optimizer) -> float:

@@ -424,7 +424,7 @@ def _train_chunk(learner: SupervisedLearner, clients: list[_Client]) -> list[Tra
             mean_loss = float(losses[: c.steps, i].sum()) / max(int((c.batches >= 0).sum()), 1)
             extra = learner.dp.end_round(c.ctx, c.dp.plan, c.steps)
         metrics = {"train_loss": mean_loss, "local_steps": float(c.steps), **ch.transformed[i], **extra}
-        results.append(TrainResult(arrays, num_examples=len(c.y), metrics=metrics))
+        results.append(TrainResult(arrays, num_examples=len(c.y), metrics=metrics, owned=True))
     return results
 
 

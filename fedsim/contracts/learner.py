@@ -71,6 +71,10 @@ class TrainResult:
     arrays: StateDict  # what is sent back to the server (detached copies)
     num_examples: int  # weight for sample-size-weighted aggregation
     metrics: dict[str, float] = field(default_factory=dict)
+    #: True when ``arrays`` are CPU tensors that nothing else holds or will write (fresh copies made for
+    #: this reply): the engine then wraps their memory instead of copying it once more.  Leave False
+    #: when unsure; a learner that returns live model tensors must (the reply would change with them).
+    owned: bool = False
 
 
 @dataclass

@@ -79,12 +79,20 @@ def _plain_array(dtype: str, shape: tuple[int, ...], stype: str, data: bytes) ->
     return Array(dtype=dtype, shape=shape, stype=stype, data=data)
 
 
-def resident_record(state: dict[str, torch.Tensor]) -> ArrayRecord:
-    """An ``ArrayRecord`` of :class:`ResidentArray` copies of ``state``'s tensors (key order kept)."""
+def resident_record(state: dict[str, torch.Tensor], copy: bool = True) -> ArrayRecord:
+    """An ``ArrayRecord`` of :class:`ResidentArray` copies of ``state``'s tensors (key order kept).
+
+    ``copy=False``: the arrays share the tensors' memory, for tensors the caller owns and will not write
+    (a learner's fresh reply copies, :attr:`~fedsim.contracts.learner.TrainResult.owned`); a CUDA tensor is
+    still copied to the host.
+    """
     record = ArrayRecord()  # ArrayRecord(dict) would copy into serialised Arrays
     if not all(type(k) is str for k in state):
         raise TypeError(f"ArrayRecord keys must be str, got {sorted({type(k).__name__ for k in state})}")
     # stored directly: every value is an Array and every key a str, what ArrayRecord.__setitem__ checks
-    record.__dict__["_data"].update((k, ResidentArray(v.detach().cpu().numpy().copy())) for k, v in state.items())
+    if copy:
+        record.__dict__["_data"].update((k, ResidentArray(v.detach().cpu().numpy().copy())) for k, v in state.items())
+    else:
+        record.__dict__["_data"].update((k, ResidentArray(v.detach().cpu().numpy())) for k, v in state.items())
     record.is_dirty = True
     return record

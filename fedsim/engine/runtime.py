@@ -410,7 +410,8 @@ def train_reply(msg: Message, result: Any, cfg: C.ExperimentConfig | None = None
 
         values, weight = reply_metrics(cfg, values, weight)
     metrics = metric_record({**values, NUM_EXAMPLES: weight, UNIT_WEIGHT: 1})
-    return Message(ReplyRecordDict({"arrays": resident_record(result.arrays), "metrics": metrics}), reply_to=msg)
+    arrays = resident_record(result.arrays, copy=not getattr(result, "owned", False))
+    return Message(ReplyRecordDict({"arrays": arrays, "metrics": metrics}), reply_to=msg)
 
 
 def evaluate_reply(msg: Message, result: Any) -> Message:

@@ -64,3 +64,34 @@ def test_pickles_without_bytes_and_round_trips(state) -> None:
 def test_a_missing_attribute_is_still_an_attribute_error() -> None:
     with pytest.raises(AttributeError, match="nothing"):
         _ = ResidentArray(np.ones(2)).nothing
+
+
+def test_owned_tensors_are_wrapped_without_a_second_copy(state) -> None:
+    """``copy=False`` (a learner's ``TrainResult.owned``): the reply shares the tensors' memory and is still
+    Flower's record byte for byte; a strategy's ``numpy()`` is still its own copy."""
+    record = resident_record(state, copy=False)
+    assert all(np.shares_memory(record[k].__dict__["_ndarray"], state[k].numpy()) for k in state)
+    assert record.object_id == ArrayRecord(state).object_id
+    mine = record["w"].numpy()
+    mine += 100.0
+    np.testing.assert_array_equal(record["w"].numpy(), state["w"].numpy())
+    copied = resident_record(state)
+    assert not any(np.shares_memory(copied[k].__dict__["_ndarray"], state[k].numpy()) for k in state)
+
+
+def test_train_reply_copies_only_arrays_the_learner_does_not_own(state) -> None:
+    from flwr.app import Message, MessageType, RecordDict
+
+    from fedsim.contracts.learner import TrainResult
+    from fedsim.engine.local import server_identity
+    from fedsim.engine.runtime import train_reply
+
+    with server_identity(run_id=1):
+        msg = Message(RecordDict(), dst_node_id=1, message_type=MessageType.TRAIN)
+    msg.metadata.__dict__["_message_id"] = "m"
+    shared = train_reply(msg, TrainResult(state, 3, owned=True)).content["arrays"]
+    live = train_reply(msg, TrainResult(state, 3)).content["arrays"]
+    assert np.shares_memory(shared["w"].__dict__["_ndarray"], state["w"].numpy())
+    before = state["w"].clone()
+    state["w"].add_(1.0)  # a learner that returned its live parameters keeps training them
+    np.testing.assert_array_equal(live["w"].numpy(), before.numpy())

@@ -1,0 +1,89 @@
+"""The learner's per-round set-up (issue #29): ``load_state`` is ``load_state_dict(strict=True)`` and
+``FreshOptimiser`` is a newly built optimiser, each computing exactly what the generic path computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from clients.model_state import FreshOptimiser, load_state
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
+
+
+def other_state(model: nn.Module, seed: int = 1) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(v.shape, generator=g).to(v.dtype) for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("build", [mlp, lambda: nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2))])
+def test_load_state_leaves_the_model_as_load_state_dict_does(build) -> None:
+    a, b = build(), build()
+    state = other_state(a)
+    state = {k: (v.abs().long() if v.dtype == torch.int64 else v) for k, v in state.items()}
+    load_state(a, state)
+    b.load_state_dict(state, strict=True)
+    for (ka, va), (kb, vb) in zip(a.state_dict(keep_vars=True).items(), b.state_dict(keep_vars=True).items()):
+        assert ka == kb and torch.equal(va, vb) and va.dtype == vb.dtype and va.requires_grad == vb.requires_grad
+    before = [p.data_ptr() for p in a.parameters()]
+    load_state(a, other_state(a, 2))
+    assert [p.data_ptr() for p in a.parameters()] == before  # copied into, never replaced
+    state["0.weight"].add_(1.0)
+    assert not torch.equal(a.state_dict()["0.weight"], state["0.weight"])  # holds no reference to the input
+
+
+@pytest.mark.parametrize("bad", ["missing", "unexpected", "shape"])
+def test_load_state_raises_torchs_own_error(bad: str) -> None:
+    model = mlp()
+    state = other_state(model)
+    if bad == "missing":
+        del state["2.bias"]
+    elif bad == "unexpected":
+        state["9.weight"] = torch.zeros(1)
+    else:
+        state["2.bias"] = torch.zeros(4)
+    with pytest.raises(RuntimeError, match="Error\\(s\\) in loading state_dict"):
+        load_state(model, state)
+
+
+def test_a_load_hook_is_honoured() -> None:
+    model = mlp()
+    seen: list[str] = []
+    model[0].register_load_state_dict_post_hook(lambda module, keys: seen.append("hook"))
+    load_state(model, other_state(model))
+    assert seen == ["hook"]
+
+
+@pytest.mark.parametrize("make", [lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-3),
+                                  lambda ps: torch.optim.Adam(ps, lr=0.01)])
+def test_a_reused_optimiser_trains_exactly_as_a_new_one(make) -> None:
+    """Two rounds from the same start: momentum / Adam moments of round 1 must not leak into round 2."""
+    torch.manual_seed(0)
+    model, x, y = mlp(), torch.randn(8, 5), torch.randint(0, 3, (8,))
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def round_with(optimiser: torch.optim.Optimizer) -> list[torch.Tensor]:
+        model.load_state_dict(start)
+        for _ in range(3):
+            optimiser.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimiser.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    fresh = FreshOptimiser(make)
+    first, again = round_with(fresh(model)), round_with(fresh(model))
+    new = round_with(make([p for p in model.parameters() if p.requires_grad]))
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(first, again, new))
+
+
+def test_the_optimiser_is_rebuilt_when_the_trainable_parameters_change() -> None:
+    model, built = mlp(), []
+    fresh = FreshOptimiser(lambda ps: built.append(len(ps)) or torch.optim.SGD(ps, lr=0.1))
+    first = fresh(model)
+    assert fresh(model) is first and built == [4]
+    model[0].weight.requires_grad_(False)
+    assert fresh(model) is not first and built == [4, 3]
+    assert fresh(mlp()) is not first and built == [4, 3, 4]
