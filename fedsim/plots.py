@@ -12,28 +12,37 @@ import matplotlib.pyplot as plt  # noqa: E402
 from fedsim.contracts.history import History  # noqa: E402
 
 
+#: Series named in a learning-curve legend; the rest are drawn but only counted.
+MAX_LEGEND = 12
+
+
 def plot_learning_curves(history: History, path: Path, title: str) -> Path:
     """Accuracy (left) and loss (right) per round, for every series the run recorded."""
-    fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(10, 4))
+    # constrained layout: tight_layout gives up (with a warning) when a long run's legend is tall
+    fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(10, 4), layout="constrained")
     keys = sorted({k for r in history.records for k in r.metrics})
     for key in keys:
         points = history.series(key)
         if not points:
             continue
         rounds, values = zip(*points)
+        marker = "o" if len(points) <= 50 else None  # a marker per round only where they stay apart
         if key.endswith("accuracy"):
-            ax_acc.plot(rounds, values, marker="o", label=key)
+            ax_acc.plot(rounds, values, marker=marker, label=key)
         elif key.endswith("loss"):
-            ax_loss.plot(rounds, values, marker="o", label=key)
+            ax_loss.plot(rounds, values, marker=marker, label=key)
     for ax, name in ((ax_acc, "accuracy"), (ax_loss, "loss")):
         ax.set_xlabel("round")
         ax.set_ylabel(name)
         ax.grid(alpha=0.3)
-        if ax.lines:
+        handles, labels = ax.get_legend_handles_labels()
+        if len(handles) > MAX_LEGEND:  # e.g. a TTA run's per-cycle series: list the first ones only
+            ax.legend(handles[:MAX_LEGEND], labels[:MAX_LEGEND], fontsize=7,
+                      title=f"+{len(handles) - MAX_LEGEND} more series", title_fontsize=7)
+        elif handles:
             ax.legend(fontsize=8)
     ax_acc.set_ylim(0, 1)
     fig.suptitle(title)
-    fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
