@@ -83,3 +83,16 @@ def test_fwt_splits_similar_and_conflicting_tasks_and_the_greedy_bar() -> None:
     mm = matrix_metrics(np.ones((2, 2)), np.ones((2, 2)), R, R, None, greedy=np.array([480.0, 420.0]))
     assert mm["perf_return_min"] == 250.0 and mm["task/1/final_return"] == 410.0
     assert mm["greedy_return_min"] == 420.0 and mm["greedy_return"] == 450.0
+
+
+@pytest.mark.parametrize("cls", [FineTune, FineTuneN, Scratch])
+def test_reset_critic_false_carries_the_trained_critic_into_the_next_task(cls) -> None:
+    """``reset_critic=false`` (the authors' ``load_critic=True``; issue #30: a fresh critic's advantages make
+    PPO unlearn a fine-tuned policy on a similar task, ckarl_quick vs ckarl_critic): the critic a task ends
+    with is the one the next task starts from; the actor follows the method's own rule either way."""
+    kept, reset = cls(LAYOUT, 3, reset_critic=False), cls(LAYOUT, 3)
+    a = _trained(kept, kept.init_arrays(), 0)
+    a["critic"] = a["critic"] + 0.5  # stands for the critic trained on task 0
+    start, fresh = kept.begin_task(a, 1), reset.begin_task(a, 1)
+    assert torch.equal(start["critic"], a["critic"]) and torch.equal(fresh["critic"], reset.fresh_critic(1))
+    assert torch.equal(start["actor"], fresh["actor"])
