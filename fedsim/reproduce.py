@@ -574,7 +574,8 @@ def _finished_children(parent: Any, params: dict[str, Any], description: str = "
 
     More seeds than the parent ran is a raise of a finished check (its runs are read back, the new
     seeds run): allowed, and recorded on the parent (:data:`SEEDS_RAISED_TAG`, shown in results.md)
-    so the post-hoc raise is disclosed; the parent's description becomes the spec's current one.
+    so the post-hoc raise is disclosed; the parent's description becomes the spec's current one.  A
+    later resume with fewer seeds than the last raise (one cut short) is recorded too.
     """
     run = parent.client.get_run(parent.run_id)
     logged = run.data.params
@@ -591,6 +592,8 @@ def _finished_children(parent: Any, params: dict[str, Any], description: str = "
         parent.set_tag(SEEDS_RAISED_TAG, f"{raised or ran} -> {params['seeds']}")
         if description:
             parent.set_tag("mlflow.note.content", description)
+    elif raised and int(params["seeds"]) < ran:  # a raise cut short (e.g. for time): "5 -> 14 -> 10"
+        parent.set_tag(SEEDS_RAISED_TAG, f"{raised} -> {params['seeds']}")
     return children_by_name(parent)
 
 

@@ -123,6 +123,11 @@ def test_an_interrupted_claim_check_resumes_where_it_stopped(tmp_path, tracking_
     assert client.get_run(parent_id).data.tags["fedsim.seeds_raised"] == "2 -> 3"
     table = Path(client.download_artifacts(parent_id, "results.md")).read_text()
     assert table.startswith("Seeds raised after a first result (post hoc, `--resume` with more seeds): 2 -> 3.")
+    # a raise cut short (to 4, stopped, resumed with 3): the tag says so, not "2 -> 4"
+    client.set_tag(parent_id, "fedsim.seeds_raised", "2 -> 3 -> 4")
+    run_claim("c", load_claim(str(path), seeds=3), tracking_uri=tracking_uri, run_one=counting_raise,
+              resume_parent=parent_id)
+    assert client.get_run(parent_id).data.tags["fedsim.seeds_raised"] == "2 -> 3 -> 4 -> 3"
 
 
 def test_client_failures_are_counted_live_and_when_read_back(tmp_path, tracking_uri) -> None:
