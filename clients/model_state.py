@@ -59,15 +59,14 @@ class FreshOptimiser:
 
     def __init__(self, build: Callable[[list[torch.Tensor]], torch.optim.Optimizer]) -> None:
         self._build = build
-        self._key: tuple[int, ...] | None = None
         self._optimiser: torch.optim.Optimizer | None = None
-        self._params: list[torch.Tensor] = []
+        self._params: list[torch.Tensor] = []  # the tensors it was built over (compared by identity)
 
     def __call__(self, model: nn.Module) -> torch.optim.Optimizer:
         params = [p for p in model.parameters() if p.requires_grad]
-        key = tuple(id(p) for p in params)
-        if self._optimiser is None or key != self._key or any(a is not b for a, b in zip(params, self._params)):
-            self._optimiser, self._key, self._params = self._build(params), key, params
+        same = len(params) == len(self._params) and all(a is b for a, b in zip(params, self._params))
+        if self._optimiser is None or not same:
+            self._optimiser, self._params = self._build(params), params
             return self._optimiser
         self._optimiser.state.clear()  # what a new optimiser holds: no momentum, no Adam moments or step
         return self._optimiser

@@ -266,12 +266,12 @@ class SupervisedLearner(Learner):
         transformed = apply_transforms(model, ctx.config)
         model.train()
         seed_torch(ctx.seed("torch"))  # dropout and any other global-RNG use
-        # a fresh optimiser each round, as in FedAvg (the non-DP one reused with its state cleared; Opacus
-        # wraps the DP one, so that one is built anew)
-        optimizer = make_optimizer(model, self.cfg) if self.sample_level_dp else self._fresh_optimiser(model)
+        # a fresh optimiser each round, as in FedAvg (Opacus wraps the DP one, so that one is built anew;
+        # the plain one is reused with its state cleared, which is what a new one holds)
         if self.sample_level_dp:
-            mean_loss, steps, extra = self._train_private(model, x, y, ctx, optimizer)
+            mean_loss, steps, extra = self._train_private(model, x, y, ctx, make_optimizer(model, self.cfg))
         else:
+            optimizer = self._fresh_optimiser(model)
             mean_loss, steps, extra = self._train_plain(model, x, y, ctx, optimizer), num_local_steps(len(y), self.cfg), {}
         self._anchor = None
         metrics = {"train_loss": mean_loss, "local_steps": float(steps), **transformed, **extra}

@@ -90,9 +90,7 @@ def resident_record(state: dict[str, torch.Tensor], copy: bool = True) -> ArrayR
     if not all(type(k) is str for k in state):
         raise TypeError(f"ArrayRecord keys must be str, got {sorted({type(k).__name__ for k in state})}")
     # stored directly: every value is an Array and every key a str, what ArrayRecord.__setitem__ checks
-    if copy:
-        record.__dict__["_data"].update((k, ResidentArray(v.detach().cpu().numpy().copy())) for k, v in state.items())
-    else:
-        record.__dict__["_data"].update((k, ResidentArray(v.detach().cpu().numpy())) for k, v in state.items())
+    arrays = ((k, v.detach().cpu().numpy()) for k, v in state.items())
+    record.__dict__["_data"].update((k, ResidentArray(a.copy() if copy else a)) for k, a in arrays)
     record.is_dirty = True
     return record
