@@ -415,9 +415,10 @@ def _train_chunk(learner: SupervisedLearner, clients: list[_Client]) -> list[Tra
         losses[s, :k] = loss.detach().double()
     losses = losses.cpu()
     stacked = {**ch.params, **ch.consts}
+    host = {k: to_host(stacked[k]) for k in ch.keys}  # one host copy per key; each client's arrays are its rows
     results = []
     for i, c in enumerate(clients):
-        arrays = {k: to_host(stacked[k][i]) for k in ch.keys}
+        arrays = {k: host[k][i] for k in ch.keys}
         if c.dp is None:
             mean_loss, extra = float(losses[: c.steps, i].sum()) / c.steps, {}
         else:  # Opacus' mean over the examples seen (0 if every batch was empty)

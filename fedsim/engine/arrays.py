@@ -79,6 +79,24 @@ def _plain_array(dtype: str, shape: tuple[int, ...], stype: str, data: bytes) ->
     return Array(dtype=dtype, shape=shape, stype=stype, data=data)
 
 
+def host_arrays(state: dict[str, torch.Tensor], copy: bool = True) -> dict[str, np.ndarray]:
+    """``state``'s tensors as host NumPy arrays (key order kept): copies, or (``copy=False``, for tensors the
+    caller owns and will not write) the tensors' own memory; a CUDA tensor is always copied to the host."""
+    if not all(type(k) is str for k in state):
+        raise TypeError(f"ArrayRecord keys must be str, got {sorted({type(k).__name__ for k in state})}")
+    arrays = ((k, _numpy(v)) for k, v in state.items())
+    return {k: a.copy() if copy else a for k, a in arrays}
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    """``t.detach().cpu().numpy()`` (the tensor's memory where it is on the host), without the two extra
+    tensor objects for the common case: a CPU tensor that needs no grad."""
+    try:
+        return t.numpy()
+    except (RuntimeError, TypeError):  # needs grad, on a device, or conjugated / negative view
+        return t.detach().cpu().resolve_conj().resolve_neg().numpy()
+
+
 def resident_record(state: dict[str, torch.Tensor], copy: bool = True) -> ArrayRecord:
     """An ``ArrayRecord`` of :class:`ResidentArray` copies of ``state``'s tensors (key order kept).
 
@@ -86,11 +104,13 @@ def resident_record(state: dict[str, torch.Tensor], copy: bool = True) -> ArrayR
     (a learner's fresh reply copies, :attr:`~fedsim.contracts.learner.TrainResult.owned`); a CUDA tensor is
     still copied to the host.
     """
+    return array_record(host_arrays(state, copy))
+
+
+def array_record(arrays: dict[str, np.ndarray]) -> ArrayRecord:
+    """An ``ArrayRecord`` of :class:`ResidentArray` values holding ``arrays`` themselves (no copy)."""
     record = ArrayRecord()  # ArrayRecord(dict) would copy into serialised Arrays
-    if not all(type(k) is str for k in state):
-        raise TypeError(f"ArrayRecord keys must be str, got {sorted({type(k).__name__ for k in state})}")
     # stored directly: every value is an Array and every key a str, what ArrayRecord.__setitem__ checks
-    arrays = ((k, v.detach().cpu().numpy()) for k, v in state.items())
-    record.__dict__["_data"].update((k, ResidentArray(a.copy() if copy else a)) for k, a in arrays)
+    record.__dict__["_data"].update((k, ResidentArray(a)) for k, a in arrays.items())
     record.is_dirty = True
     return record

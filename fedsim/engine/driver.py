@@ -39,14 +39,19 @@ def error_reply(msg: Message, reason: str) -> Message:
     return Message(Error(code=CLIENT_APP_EXCEPTION, reason=reason), reply_to=msg)
 
 
+def failure_reply(msg: Message, exc: Exception) -> Message:
+    """The error reply of a client call that raised ``exc`` (a timeout is worded as every engine words it)."""
+    if isinstance(exc, ClientTimeout):
+        return error_reply(msg, str(exc))
+    return error_reply(msg, "".join(traceback.format_exception_only(type(exc), exc)).strip())
+
+
 def call_client_app(app: ClientApp, msg: Message, context: Context) -> Message:
     """Run the ClientApp on one message; an exception becomes an error reply (never raised)."""
     try:
         return app(msg, context)
-    except ClientTimeout as exc:  # the ClientApp's own deadline: reported as every engine words a timeout
-        return error_reply(msg, str(exc))
     except Exception as exc:  # a failing client is reported, never raised into the server
-        return error_reply(msg, "".join(traceback.format_exception_only(type(exc), exc)).strip())
+        return failure_reply(msg, exc)
 
 
 class DriverGrid(Grid):

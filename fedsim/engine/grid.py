@@ -15,7 +15,9 @@ in-process one) and
   the reason) and keeps it from the strategy, whatever the engine;
 * counts successful and failed replies per round, keeps each failure's reason, computes
   sample-size-weighted means of the reply metrics, and raises :class:`RunFailedError` when fewer
-  training results than the strategy's minimum come back.
+  training results than the strategy's minimum come back;
+* hands a strategy that aggregates as Flower's FedAvg mean (``combine_key``) one combined training
+  reply instead of one per client, with the same aggregate bit for bit (:mod:`fedsim.engine.cohort_reply`).
 """
 
 from __future__ import annotations
@@ -24,11 +26,14 @@ import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from flwr.app import Array, ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
+from fedsim.engine.cohort_reply import combined_reply
+from fedsim.engine.records import ResultReply, reply_arrays
 from fedsim.engine.runtime import ATTEMPT, NUM_EXAMPLES, PARTITION_ID, UNIT_WEIGHT
 from fedsim.engine.system import SystemModel
 from fedsim.errors import RunFailedError
@@ -58,7 +63,8 @@ def weighted_means(replies: list[Message]) -> dict[str, float]:
     sums: dict[str, float] = {}
     weights: dict[str, float] = {}
     for msg in replies:
-        for record in msg.content.metric_records.values():
+        values = msg.plain_values() if isinstance(msg, ResultReply) else None
+        for record in [values[1]] if values is not None else msg.content.metric_records.values():
             w = float(record.get(NUM_EXAMPLES, 1))
             for k, v in record.items():
                 if k in (NUM_EXAMPLES, UNIT_WEIGHT) or not isinstance(v, (int, float)):
@@ -82,16 +88,22 @@ def finite_array(array: Array) -> bool:
     return bool(np.isfinite(array.numpy() if value is None else value).all())
 
 
+def metrics_of(msg: Message) -> Any:
+    """A reply's ``metrics`` record (empty if it has none); a ResultReply's own values."""
+    values = msg.plain_values() if isinstance(msg, ResultReply) else None
+    if values is not None:
+        return values[1]
+    return msg.content["metrics"] if "metrics" in msg.content else {}
+
+
 def non_finite_reason(msg: Message) -> str | None:
     """Why a training reply cannot be aggregated (a non-finite loss or parameter); None if it can."""
-    metrics = msg.content["metrics"] if "metrics" in msg.content else {}
-    loss = metrics.get("train_loss")
+    loss = metrics_of(msg).get("train_loss")
     if isinstance(loss, (int, float)) and not math.isfinite(loss):
         return f"non-finite loss ({loss}): lower client.lr"
-    for record in msg.content.array_records.values():
-        for key, array in record.items():
-            if not finite_array(array):
-                return f"non-finite parameters ({key}): lower client.lr"
+    for key, array in reply_arrays(msg):
+        if array.dtype.kind in "fc" and not np.isfinite(array).all():
+            return f"non-finite parameters ({key}): lower client.lr"
     return None
 
 
@@ -107,6 +119,9 @@ class MonitoredGrid(Grid):
         self.retries = retries
         self.partition_of: dict[int, int] = {}
         self.tally = RoundTally()
+        #: set (to the weighting key) when the strategy aggregates as Flower's FedAvg mean: a training round's
+        #: successful replies then reach it as one combined reply (:mod:`fedsim.engine.cohort_reply`)
+        self.combine_key: str | None = None
 
     # -- plumbing ------------------------------------------------------------------------------
     def set_run(self, run_id: int) -> None:  # pragma: no cover - the engine sets the inner run
@@ -178,9 +193,9 @@ class MonitoredGrid(Grid):
             self.tally.train_failed += len(failures)
             self.tally.train_metrics = weighted_means(ok)
             self.tally.client_train_metrics = {
-                self.partition_of[m.metadata.src_node_id]: {k: float(v) for k, v in m.content["metrics"].items()
+                self.partition_of[m.metadata.src_node_id]: {k: float(v) for k, v in metrics_of(m).items()
                                                             if isinstance(v, (int, float))}
-                for m in ok if "metrics" in m.content}
+                for m in ok if isinstance(m, ResultReply) or "metrics" in m.content}
             if len(ok) < self.min_train_results:
                 detail = failures[0] if failures else "no replies"
                 lost = (f"; {self.tally.dropped} unavailable, {self.tally.stragglers} past the deadline"
@@ -188,6 +203,10 @@ class MonitoredGrid(Grid):
                 raise RunFailedError(
                     f"round failed: {len(ok)} training results, the strategy needs at least "
                     f"{self.min_train_results} ({len(failures)} client failures; first: {detail}{lost})")
+            if self.combine_key is not None and len(ok) > 1:
+                by_node = {m.metadata.dst_node_id: m for m in messages}
+                combined = combined_reply(ok, self.combine_key, by_node[ok[0].metadata.src_node_id])
+                return [combined] + [m for m in replies if m.has_error()]
         elif kind == MessageType.EVALUATE:
             self.tally.eval_ok += len(ok)
             self.tally.eval_failed += len(failures)

@@ -21,8 +21,8 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedsim import config as C
-from fedsim.engine.arrays import resident_record
-from fedsim.engine.records import ReplyRecordDict, metric_record
+from fedsim.engine.arrays import host_arrays, resident_record
+from fedsim.engine.records import ReplyRecordDict, ResultReply, metric_record
 from fedsim.errors import ConfigError
 from fedsim.threads import torch_threads  # noqa: F401  (re-exported: engines import it from here)
 from fedsim.registry import LEARNERS, import_plugins
@@ -399,19 +399,31 @@ def _decoded(record: ArrayRecord) -> dict[str, torch.Tensor]:
     return state
 
 
-def train_reply(msg: Message, result: Any, cfg: C.ExperimentConfig | None = None) -> Message:
-    """The reply of a ``train`` message from a learner's :class:`~fedsim.contracts.learner.TrainResult`.
+def reply_metric_values(result: Any, cfg: C.ExperimentConfig | None = None) -> dict[str, Any]:
+    """The metric values of a ``train`` reply: the learner's metrics and the weight keys.
 
-    Under ``privacy.release=strict`` it carries only the ledger's metrics and weighs 1
+    Under ``privacy.release=strict`` only the ledger's metrics, weighing 1
     (:func:`privacy.release.reply_metrics`)."""
     values, weight = dict(result.metrics), result.num_examples
     if cfg is not None and cfg.privacy.enabled:
         from privacy.release import reply_metrics
 
         values, weight = reply_metrics(cfg, values, weight)
-    metrics = metric_record({**values, NUM_EXAMPLES: weight, UNIT_WEIGHT: 1})
+    return {**values, NUM_EXAMPLES: weight, UNIT_WEIGHT: 1}
+
+
+def train_reply(msg: Message, result: Any, cfg: C.ExperimentConfig | None = None) -> Message:
+    """The reply of a ``train`` message from a learner's :class:`~fedsim.contracts.learner.TrainResult`."""
+    metrics = metric_record(reply_metric_values(result, cfg))
     arrays = resident_record(result.arrays, copy=not getattr(result, "owned", False))
     return Message(ReplyRecordDict({"arrays": arrays, "metrics": metrics}), reply_to=msg)
+
+
+def result_reply(msg: Message, result: Any, cfg: C.ExperimentConfig | None = None) -> Message:
+    """:func:`train_reply`'s reply as a :class:`~fedsim.engine.records.ResultReply`: the same content, built
+    only if something reads it (the in-process engine's replies)."""
+    return ResultReply(msg, host_arrays(result.arrays, copy=not getattr(result, "owned", False)),
+                       reply_metric_values(result, cfg))
 
 
 def evaluate_reply(msg: Message, result: Any) -> Message:
@@ -432,6 +444,29 @@ def _inside_learner() -> Iterator[None]:
             _in_learner.discard(ident)
 
 
+def query_reply(msg: Message, context: Context) -> Message:
+    """The reply of fedsim's ClientApp to the set-up query: the node's partition id."""
+    pid = int(context.node_config["partition-id"])
+    return Message(RecordDict({"metrics": MetricRecord({PARTITION_ID: pid})}), reply_to=msg)
+
+
+def learner_call(spec: RunSpec, msg: Message, context: Context, method: str) -> Callable[[], Any]:
+    """What fedsim's ClientApp does for a ``train`` / ``evaluate`` message, as a call to run later: the
+    injected fault (training only), then the learner's method on the message's arrays, returning its
+    :class:`~fedsim.contracts.learner.TrainResult` / ``EvalResult`` (:func:`train_reply` / :func:`evaluate_reply`
+    make the reply).  The learner is looked up when the call runs (a timeout may have replaced it)."""
+    cfg = spec.cfg
+    ctx = node_context(msg, context, cfg)
+
+    def call() -> Any:
+        if method == "train":
+            _maybe_fail(cfg, ctx.partition_id, ctx.server_round, int(ctx.config.get(ATTEMPT, 0)))
+        with torch_threads(cfg.engine.threads_per_client), _inside_learner():
+            return getattr(get_learner(spec), method)(_decoded(msg.content["arrays"]), ctx)
+
+    return call
+
+
 def build_client_app(spec: RunSpec, deadline: float | None = None) -> ClientApp:
     """A Flower ClientApp serving train / evaluate / query with this run's learner.
 
@@ -442,24 +477,12 @@ def build_client_app(spec: RunSpec, deadline: float | None = None) -> ClientApp:
     """
     app = ClientApp()
 
-    @app.query()
-    def query(msg: Message, context: Context) -> Message:
-        pid = int(context.node_config["partition-id"])
-        return Message(RecordDict({"metrics": MetricRecord({PARTITION_ID: pid})}), reply_to=msg)
+    app.query()(query_reply)
 
     def serve(msg: Message, context: Context, method: str) -> Any:
-        cfg = spec.cfg
-        ctx = node_context(msg, context, cfg)
         if deadline is not None:  # a process's first call builds the learner: set-up, not the client's time
             warm_learner(spec)
-
-        def call() -> Any:
-            if method == "train":
-                _maybe_fail(cfg, ctx.partition_id, ctx.server_round, int(ctx.config.get(ATTEMPT, 0)))
-            with torch_threads(cfg.engine.threads_per_client), _inside_learner():
-                return getattr(get_learner(spec), method)(_decoded(msg.content["arrays"]), ctx)
-
-        return call_with_deadline(call, deadline)
+        return call_with_deadline(learner_call(spec, msg, context, method), deadline)
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:

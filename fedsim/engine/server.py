@@ -27,6 +27,7 @@ from flwr.serverapp import Grid
 
 from fedsim import config as C
 from fedsim.engine import checkpoint as ckpt
+from fedsim.engine.cohort_reply import linear_weighting
 from fedsim.engine.grid import MonitoredGrid, finite_array
 from fedsim.contracts.history import RoundObserver, RoundRecord
 from fedsim.engine.runtime import RunSpec, get_learner, torch_threads
@@ -135,6 +136,7 @@ def run_server(grid: Grid, spec: RunSpec, observers: list[RoundObserver], *,
     system = SystemModel(cfg.engine.system, cfg.seed, learner.local_work) if cfg.engine.system.enabled else None
     monitored = MonitoredGrid(grid, required_results(spec, strategy), query_timeout=cfg.engine.round_timeout_s,
                               system=system, retries=cfg.engine.retries)
+    monitored.combine_key = linear_weighting(strategy)  # FedAvg's mean: one combined training reply per round
     monitored.discover(cfg.num_clients)
     contexts = getattr(grid, "contexts", None)
     if checkpoints is not None and contexts is None:
