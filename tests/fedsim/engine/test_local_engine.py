@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from fedsim import config as C
 from fedsim.errors import RunFailedError
@@ -112,3 +113,84 @@ def test_the_rounds_run_with_the_heap_frozen_and_give_it_back(monkeypatch) -> No
         assert gc.get_freeze_count() == frozen  # not unfrozen by the inner run
     finally:
         gc.unfreeze()
+
+
+def _per_client_replies(monkeypatch) -> None:
+    """Make every strategy take one reply per client (no combined reply), as before fedsim had them."""
+    import fedsim.engine.server as server
+
+    monkeypatch.setattr(server, "linear_weighting", lambda strategy: None)
+
+
+@pytest.mark.parametrize("overrides", [
+    [],
+    ["engine.faults.raise_fraction=0.3", "engine.faults.transient=true", "engine.retries=1"],  # retried clients join
+    ["engine.vectorise=true"],
+], ids=["sequential", "retried", "vectorised"])
+def test_the_combined_training_reply_changes_no_result(monkeypatch, overrides) -> None:
+    """FedAvg given one combined reply per round computes what it computes from the clients' replies."""
+    cfg = small("fedavg_digits", "strategy.fraction_train=1.0", *overrides, rounds=2, clients=10)
+    combined = run_experiment(cfg)
+    with monkeypatch.context() as m:
+        _per_client_replies(m)
+        separate = run_experiment(small("fedavg_digits", "strategy.fraction_train=1.0", *overrides, rounds=2,
+                                        clients=10))
+    assert combined.history.as_rows() == separate.history.as_rows()
+    if "engine.retries=1" in overrides:
+        assert sum(r.retries for r in combined.history.records) > 0
+    for key, value in separate.final_arrays.items():
+        assert torch.equal(combined.final_arrays[key], value), key
+
+
+def test_a_strategy_with_its_own_aggregation_gets_every_clients_reply(monkeypatch) -> None:
+    from flwr.serverapp.strategy import FedAdam
+
+    counts: list[int] = []
+    original = FedAdam.aggregate_train
+
+    def spy(self, server_round, replies):
+        replies = list(replies)
+        counts.append(len(replies))
+        return original(self, server_round, replies)
+
+    monkeypatch.setattr(FedAdam, "aggregate_train", spy)
+    run_experiment(small("fedavg_digits", "strategy.fraction_train=1.0", "strategy.name=fedadam", rounds=2, clients=10))
+    assert counts == [10, 10]
+
+
+def test_direct_learner_calls_answer_as_the_client_app_does() -> None:
+    """The local engine calls fedsim's learner directly (no ClientApp.__call__): same replies, same errors."""
+    from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+
+    from fedsim.engine.local import InProcessGrid, server_identity
+    from fedsim.engine.runtime import RunSpec, build_client_app, get_learner
+
+    cfg = small("fedavg_digits", "engine.faults.fail_partitions=[2]", clients=10)
+    spec = RunSpec.from_config(cfg)
+    arrays = ArrayRecord(get_learner(spec).init_arrays())
+
+    def messages() -> list[Message]:
+        with server_identity(1):
+            config = ConfigRecord({"server-round": 1})
+            return [Message(RecordDict({"arrays": arrays, "config": config}), 1, MessageType.TRAIN),
+                    Message(RecordDict({"arrays": arrays, "config": config}), 3, MessageType.TRAIN),  # injected fault
+                    Message(RecordDict({"config": config}), 4, MessageType.TRAIN),  # no arrays: the learner raises
+                    Message(RecordDict({"arrays": arrays, "config": config}), 5, MessageType.EVALUATE),
+                    Message(RecordDict(), 6, MessageType.QUERY)]
+
+    def answers(grid: InProcessGrid) -> list[tuple]:
+        out = []
+        with server_identity(1):
+            for reply in grid.send_and_receive(messages()):
+                if reply.has_error():
+                    out.append((reply.metadata.src_node_id, reply.error.code, reply.error.reason))
+                    continue
+                content = reply.content
+                out.append((reply.metadata.src_node_id, dict(content["metrics"]),
+                            {k: v.numpy().tobytes() for r in content.array_records.values() for k, v in r.items()}))
+        return out
+
+    direct = answers(InProcessGrid(build_client_app(spec), 10, spec=spec))
+    through_app = answers(InProcessGrid(build_client_app(spec), 10))
+    assert direct == through_app
+    assert [len(a) for a in direct] == [3] * 5 and "injected failure" in direct[1][2] and "KeyError" in direct[2][2]
