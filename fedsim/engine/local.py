@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import uuid
 from collections.abc import Iterable
@@ -76,11 +77,12 @@ class InProcessGrid(DriverGrid):
         self._call_timeout: float | None = None  # the timeout of the send_and_receive under way
         self._init_nodes(run_id, num_nodes)
         self._replies: dict[str, Message] = {}
+        self._id_prefix, self._ids = uuid.uuid4().hex[:16], itertools.count()
 
     def push_messages(self, messages: Iterable[Message]) -> list[str]:
         messages = list(messages)
-        for msg in messages:
-            msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+        for msg in messages:  # unique ids, as the SuperLink's uuid4 hex (a per-grid random prefix, then a counter)
+            msg.metadata.__dict__["_message_id"] = f"{self._id_prefix}{next(self._ids):016x}"
         cohort = self._train_cohort(messages) if self.vectorise_spec is not None else {}
         self._replies.update(cohort)
         self._replies.update(self._deliver([m for m in messages if m.metadata.message_id not in cohort]))

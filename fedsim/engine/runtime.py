@@ -6,13 +6,12 @@ The ClientApp is shipped to Ray actors by the Flower engine, so it closes over a
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -431,17 +430,19 @@ def evaluate_reply(msg: Message, result: Any) -> Message:
     return Message(ReplyRecordDict({"metrics": metrics}), reply_to=msg)
 
 
-@contextlib.contextmanager
-def _inside_learner() -> Iterator[None]:
+class _inside_learner:  # noqa: N801  (a cheap context manager: entered once per client call)
     """Mark this thread as using the learner for the block."""
-    ident = threading.get_ident()
-    with _cache_lock:
-        _in_learner.add(ident)
-    try:
-        yield
-    finally:
+
+    __slots__ = ("ident",)
+
+    def __enter__(self) -> None:
+        self.ident = threading.get_ident()
         with _cache_lock:
-            _in_learner.discard(ident)
+            _in_learner.add(self.ident)
+
+    def __exit__(self, *exc: Any) -> None:
+        with _cache_lock:
+            _in_learner.discard(self.ident)
 
 
 def query_reply(msg: Message, context: Context) -> Message:
