@@ -78,3 +78,7 @@ class DriverGrid(Grid):
 
     def get_node_ids(self) -> list[int]:
         return list(self.contexts)
+
+    def partitions(self) -> dict[int, int]:
+        """node id -> partition id: what fedsim's ClientApp answers to the set-up query, from the contexts."""
+        return {node: int(ctx.node_config["partition-id"]) for node, ctx in self.contexts.items()}

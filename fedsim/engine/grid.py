@@ -146,13 +146,20 @@ class MonitoredGrid(Grid):
 
     # -- setup ---------------------------------------------------------------------------------
     def discover(self, num_nodes: int) -> dict[int, int]:
-        """Wait for ``num_nodes`` nodes, ask each for its partition id, return node -> partition."""
+        """Wait for ``num_nodes`` nodes, ask each for its partition id, return node -> partition.
+
+        A grid that keeps its nodes' contexts on the driver (the local and ray engines:
+        :class:`~fedsim.engine.driver.DriverGrid`) reads them from there, as its nodes would answer."""
         deadline = time.monotonic() + self.query_timeout
         while len(ids := list(self.inner.get_node_ids())) < num_nodes:
             if time.monotonic() > deadline:
                 raise RunFailedError(f"only {len(ids)} of {num_nodes} simulated clients came up within "
                                      f"{self.query_timeout:.0f}s; check engine.flower resources")
             time.sleep(0.05)
+        known = getattr(self.inner, "partitions", None)  # a grid holding its nodes' contexts knows the answers
+        if known is not None:
+            self.partition_of = known()
+            return self.partition_of
         msgs = [Message(RecordDict(), node_id, MessageType.QUERY) for node_id in ids]
         replies = list(self.inner.send_and_receive(msgs, timeout=self.query_timeout))
         bad = [r for r in replies if r.has_error()]

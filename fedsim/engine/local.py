@@ -30,7 +30,7 @@ import functools
 import itertools
 import logging
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from flwr.app import Message, MessageType
@@ -48,6 +48,10 @@ log = logging.getLogger("fedsim")
 
 #: Message types fedsim's own ClientApp answers directly (its learner's train / evaluate, the set-up query).
 _DIRECT = (MessageType.TRAIN, MessageType.EVALUATE, MessageType.QUERY)
+
+
+def _raise(exc: Exception) -> Any:
+    raise exc
 
 
 def _failure(msg: Message, exc: BaseException) -> Message:
@@ -154,8 +158,7 @@ class InProcessGrid(DriverGrid):
         training ~10% slower with Flower's message handling between them, its caches cold).
         """
         direct = [self.spec is not None and m.metadata.message_type in _DIRECT for m in messages]
-        calls = [functools.partial(self._learner_call, m) if d else functools.partial(self._call, m)
-                 for m, d in zip(messages, direct)]
+        calls = [self._learner_call(m) if d else functools.partial(self._call, m) for m, d in zip(messages, direct)]
         outcomes = call_all_with_deadline(calls, self.call_limit(), self.threads)
         replies = {}
         for msg, is_direct, (ok, value) in zip(messages, direct, outcomes):
@@ -170,12 +173,18 @@ class InProcessGrid(DriverGrid):
             replies[msg.metadata.message_id] = reply
         return replies
 
-    def _learner_call(self, msg: Message) -> Any:
+    def _learner_call(self, msg: Message) -> Callable[[], Any]:
+        """The direct call answering ``msg``, prepared here, on the server thread, in one loop over the
+        round's messages (its node context, its injected fault), so the worker runs little besides the
+        learner; a preparation that fails is raised by the call, as inside the ClientApp."""
         assert self.spec is not None
         context = self.contexts[msg.metadata.dst_node_id]
-        if msg.metadata.message_type == MessageType.QUERY:
-            return query_reply(msg, context)
-        return learner_call(self.spec, msg, context, msg.metadata.message_type)()
+        try:
+            if msg.metadata.message_type == MessageType.QUERY:
+                return functools.partial(query_reply, msg, context)
+            return learner_call(self.spec, msg, context, msg.metadata.message_type)
+        except Exception as exc:
+            return functools.partial(_raise, exc)
 
     def _learner_reply(self, msg: Message, result: Any) -> Message:
         """The reply fedsim's ClientApp builds from the learner's result (an error reply if that fails)."""

@@ -368,7 +368,11 @@ def release_hangs() -> None:
 
 
 def _maybe_fail(cfg: C.ExperimentConfig, partition_id: int, server_round: int, attempt: int) -> None:
-    fault = injected_fault(cfg, partition_id, server_round, attempt)
+    _strike(cfg, injected_fault(cfg, partition_id, server_round, attempt), partition_id, server_round)
+
+
+def _strike(cfg: C.ExperimentConfig, fault: str | None, partition_id: int, server_round: int) -> None:
+    """Carry out an injected fault (:func:`injected_fault`'s answer): raise, or hang and then raise."""
     if fault == "raise":
         raise SimulatedClientFailure(f"injected failure: partition {partition_id}, round {server_round}")
     if fault == "hang":  # hang_s (inf: for ever) unless the call's deadline abandons it or its actor is killed
@@ -458,12 +462,21 @@ def learner_call(spec: RunSpec, msg: Message, context: Context, method: str) -> 
     make the reply).  The learner is looked up when the call runs (a timeout may have replaced it)."""
     cfg = spec.cfg
     ctx = node_context(msg, context, cfg)
+    fault = (injected_fault(cfg, ctx.partition_id, ctx.server_round, int(ctx.config.get(ATTEMPT, 0)))
+             if method == "train" else None)  # decided now (it is seeded), carried out when the call runs
+    threads = cfg.engine.threads_per_client
+    try:
+        arrays = _decoded(msg.content["arrays"])
+    except Exception as exc:  # no or bad arrays: the call raises it, as the learner call would
+        arrays, missing = None, exc
 
     def call() -> Any:
-        if method == "train":
-            _maybe_fail(cfg, ctx.partition_id, ctx.server_round, int(ctx.config.get(ATTEMPT, 0)))
-        with torch_threads(cfg.engine.threads_per_client), _inside_learner():
-            return getattr(get_learner(spec), method)(_decoded(msg.content["arrays"]), ctx)
+        if fault is not None:
+            _strike(cfg, fault, ctx.partition_id, ctx.server_round)
+        if arrays is None:
+            raise missing
+        with torch_threads(threads), _inside_learner():
+            return getattr(get_learner(spec), method)(arrays, ctx)
 
     return call
 
