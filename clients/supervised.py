@@ -213,6 +213,9 @@ class SupervisedLearner(Learner):
 
         return train_cohort(self, arrays_list, ctxs, chunk)
 
+    def seed_streams(self) -> tuple[str, ...]:
+        return ("torch", "dp-batches", "dp-noise") if self.sample_level_dp else ("torch", "batches")
+
     def local_work(self, partition_id: int) -> float:
         if self.sample_level_dp:
             return float(self.privacy_plan(partition_id).steps_per_round)

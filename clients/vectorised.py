@@ -83,7 +83,7 @@ from fedsim.contracts.learner import Learner, NodeContext, StateDict, TrainResul
 from fedsim.contracts.wire import PROXIMAL_MU
 from clients.supervised import SupervisedLearner, make_optimizer, num_local_steps, optimizer_for
 from fedsim.device import to_host
-from fedsim.seeding import seed_torch
+from fedsim.seeding import prime_seeds, seed_torch
 from fedsim.contracts.transforms import apply_transforms
 from fedsim.contracts.wire import TRANSFORM_KEY
 from privacy.cohort import expected_batch_size, noise_draws, poisson_masks, privatise
@@ -254,6 +254,18 @@ def _plan(learner: SupervisedLearner, arrays: StateDict, ctx: NodeContext) -> _C
     noise = noise_draws([p.shape for p in params], params[0].dtype, std, plan.steps_per_round, noise_seed,
                         params[0].device)
     return _Client(arrays, ctx, x, y, _mask_rows(masks), mu, _PrivateRound(plan, noise, expected_batch_size(len(y), b)))
+
+
+def _prime_round_seeds(ctxs: list[NodeContext], private: bool) -> None:
+    """Derive the cohort's per-client seeds (``NodeContext.seed``) in one vectorised pass each
+    (:func:`fedsim.seeding.prime_seeds`; the same integers as one by one)."""
+    rounds = {(c.root_seed, c.server_round) for c in ctxs}
+    if len(rounds) != 1:
+        return
+    [(root, server_round)] = rounds
+    pids = [c.partition_id for c in ctxs]
+    for stream in ("dp-batches", "dp-noise") if private else ("batches",):
+        prime_seeds(root, stream, server_round, last=pids)
 
 
 def _mask_rows(masks: torch.Tensor) -> torch.Tensor:
@@ -504,6 +516,7 @@ def train_cohort(learner: SupervisedLearner, arrays_list: list[StateDict], ctxs:
         raise ValueError(f"cannot vectorise this cohort: {reason}")
     if not ctxs:
         return []
+    _prime_round_seeds(ctxs, learner.sample_level_dp)
     sizes = [len(learner.data.client_train(c.partition_id, c.server_round).y) for c in ctxs]
     order = sorted(range(len(ctxs)), key=lambda i: -num_local_steps(sizes[i], learner.cfg))
     if learner.sample_level_dp:

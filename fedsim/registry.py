@@ -29,6 +29,7 @@ callable, wrong signature, an exception while importing) before anything runs.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib
 import inspect
@@ -47,6 +48,8 @@ from fedsim import plugins
 from fedsim.errors import ConfigError
 
 T = TypeVar("T")
+
+_validated: dict[tuple[Any, ...], Any] = {}  # (name, params class, repr(values)) -> a typed params instance
 
 
 @dataclass(frozen=True)
@@ -134,9 +137,19 @@ class Registry(Generic[T]):
             if values:
                 raise ConfigError(f"{where}: {self.kind} {name!r} takes no params, got {sorted(values)}")
             return None
+        # memoised on the values' repr (OmegaConf's merge costs ~1 ms and a run validates the same params
+        # several times); each caller gets its own copy, and errors are never memoised
+        key = (name, entry.params, repr(values))
+        known = _validated.get(key)
+        if known is not None:
+            return copy.deepcopy(known)
         try:
             merged = OmegaConf.merge(OmegaConf.structured(entry.params), values)
-            return OmegaConf.to_object(merged)
+            typed = OmegaConf.to_object(merged)
+            if len(_validated) >= 1024:
+                _validated.clear()
+            _validated[key] = copy.deepcopy(typed)
+            return typed
         except OmegaConfBaseException as exc:
             key = getattr(exc, "full_key", None) or ""
             fields = ", ".join(f.name for f in dataclasses.fields(entry.params))

@@ -134,6 +134,13 @@ class Learner(ABC):
         most ``chunk`` clients (``engine.vectorise``); only called where :meth:`cohort_refusal` is None."""
         raise CapabilityMissing(self.cohort_refusal(ctxs, auto=False))
 
+    def seed_streams(self) -> tuple[str, ...]:
+        """The :meth:`NodeContext.seed` streams one training round of this learner derives (e.g. ``("torch",
+        "batches")``); the local engine derives them for a whole round in one vectorised pass
+        (:func:`fedsim.seeding.prime_seeds`, the same integers).  Optional: a stream left out is derived
+        when the learner asks for it."""
+        return ()
+
     def local_work(self, partition_id: int) -> float:
         """Units of local work (e.g. optimiser steps) a training round costs this node; the simulated
         system model (``engine.system``) turns it into simulated seconds."""

@@ -40,9 +40,10 @@ from flwr.common.constant import SUPERLINK_NODE_ID
 from fedsim.engine.driver import DriverGrid, call_client_app, error_reply, failure_reply, task_identity
 from fedsim.contracts.history import RoundObserver
 from fedsim.engine.runtime import (ClientTimeout, RunSpec, build_client_app, call_all_with_deadline, client_call_limit,
-                                   evaluate_reply, learner_call, query_reply, release_hangs, result_reply)
+                                   evaluate_reply, get_learner, learner_call, query_reply, release_hangs, result_reply)
 from fedsim.engine.server import ServerResult, run_server
 from fedsim.registry import ENGINES
+from fedsim.seeding import prime_seeds
 
 log = logging.getLogger("fedsim")
 
@@ -158,6 +159,7 @@ class InProcessGrid(DriverGrid):
         training ~10% slower with Flower's message handling between them, its caches cold).
         """
         direct = [self.spec is not None and m.metadata.message_type in _DIRECT for m in messages]
+        self._prime_seeds([m for m, d in zip(messages, direct) if d and m.metadata.message_type == MessageType.TRAIN])
         calls = [self._learner_call(m) if d else functools.partial(self._call, m) for m, d in zip(messages, direct)]
         outcomes = call_all_with_deadline(calls, self.call_limit(), self.threads)
         replies = {}
@@ -172,6 +174,23 @@ class InProcessGrid(DriverGrid):
                 raise value  # not a client's failure (those are error replies already): the engine's own
             replies[msg.metadata.message_id] = reply
         return replies
+
+    def _prime_seeds(self, messages: list[Message]) -> None:
+        """Derive the learner's per-client seeds of this round's training calls in one vectorised pass
+        (:meth:`~fedsim.contracts.learner.Learner.seed_streams`); best effort, the calls derive any one missed."""
+        if len(messages) < 2 or self.spec is None:
+            return
+        try:
+            rounds = {int(m.content["config"]["server-round"]) for m in messages}
+            if len(rounds) != 1:
+                return
+            [server_round] = rounds
+            pids = [int(self.contexts[m.metadata.dst_node_id].node_config["partition-id"]) for m in messages]
+            cfg = self.spec.cfg
+            for stream in get_learner(self.spec).seed_streams():
+                prime_seeds(cfg.seed, stream, server_round, last=pids)
+        except Exception:  # a malformed message: its own call reports it
+            return
 
     def _learner_call(self, msg: Message) -> Callable[[], Any]:
         """The direct call answering ``msg``, prepared here, on the server thread, in one loop over the

@@ -96,3 +96,17 @@ def test_engines_declare_their_capabilities() -> None:
     assert {e.name: e.obj.checkpointing for e in ENGINES} == {"flower": False, "local": True, "ray": True}
     assert ENGINES.checkpointing_names() == ["local", "ray"]
     assert ENGINES.get("flower").preflight is not None and ENGINES.get("local").preflight is None
+
+
+def test_validated_params_are_memoised_but_each_caller_owns_its_copy() -> None:
+    from fedsim.registry import STRATEGIES
+
+    first = STRATEGIES.params("fedprox", {"mu": 0.5}, "strategy.params")
+    first.mu = 99.0  # a caller changing its instance
+    again = STRATEGIES.params("fedprox", {"mu": 0.5}, "strategy.params")
+    assert again.mu == 0.5 and again is not first
+    assert STRATEGIES.params("fedprox", {"mu": 0.25}, "strategy.params").mu == 0.25
+    with pytest.raises(ConfigError, match="strategy.params"):  # errors are never memoised
+        STRATEGIES.params("fedprox", {"mu": "x"}, "strategy.params")
+    with pytest.raises(ConfigError, match="strategy.params"):
+        STRATEGIES.params("fedprox", {"mu": "x"}, "strategy.params")
