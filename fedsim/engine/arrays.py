@@ -114,3 +114,14 @@ def array_record(arrays: dict[str, np.ndarray]) -> ArrayRecord:
     record.__dict__["_data"].update((k, ResidentArray(a)) for k, a in arrays.items())
     record.is_dirty = True
     return record
+
+
+def resident_arrays(record: ArrayRecord) -> ArrayRecord:
+    """``record`` with every serialised ``Array`` parsed once into a :class:`ResidentArray` (same values,
+    key order kept).  A strategy returns the new global model serialised (``Array(ndarray)`` runs
+    ``np.save``), and the server then reads it three times (the finiteness check, its evaluation and the
+    next round's clients): each read of a plain ``Array`` parses the bytes again (``np.load``)."""
+    if all("_ndarray" in a.__dict__ for a in record.values()):
+        return record
+    return array_record({k: a.__dict__.get("_ndarray", None) if "_ndarray" in a.__dict__ else a.numpy()
+                         for k, a in record.items()})

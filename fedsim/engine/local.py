@@ -47,6 +47,9 @@ from fedsim.seeding import prime_seeds
 
 log = logging.getLogger("fedsim")
 
+#: Fewest training calls for which a round's seeds are derived in one pass (a pass costs about two cold seeds).
+_PRIME_MIN = 2
+
 #: Message types fedsim's own ClientApp answers directly (its learner's train / evaluate, the set-up query).
 _DIRECT = (MessageType.TRAIN, MessageType.EVALUATE, MessageType.QUERY)
 
@@ -178,7 +181,7 @@ class InProcessGrid(DriverGrid):
     def _prime_seeds(self, messages: list[Message]) -> None:
         """Derive the learner's per-client seeds of this round's training calls in one vectorised pass
         (:meth:`~fedsim.contracts.learner.Learner.seed_streams`); best effort, the calls derive any one missed."""
-        if len(messages) < 2 or self.spec is None:
+        if len(messages) < _PRIME_MIN or self.spec is None:
             return
         try:
             rounds = {int(m.content["config"]["server-round"]) for m in messages}

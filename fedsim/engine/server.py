@@ -27,6 +27,7 @@ from flwr.serverapp import Grid
 
 from fedsim import config as C
 from fedsim.engine import checkpoint as ckpt
+from fedsim.engine.arrays import resident_arrays
 from fedsim.engine.cohort_reply import linear_weighting
 from fedsim.engine.grid import MonitoredGrid, finite_array
 from fedsim.contracts.history import RoundObserver, RoundRecord
@@ -108,7 +109,7 @@ def play_round(strategy: Any, grid: Grid, server_round: int, arrays: ArrayRecord
                                     timeout=timeout)
     aggregated, _ = strategy.aggregate_train(server_round, replies)
     if aggregated is not None:
-        arrays = aggregated
+        arrays = resident_arrays(aggregated)
     replies = grid.send_and_receive(strategy.configure_evaluate(server_round, arrays, ConfigRecord(), grid),
                                     timeout=timeout)
     strategy.aggregate_evaluate(server_round, replies)

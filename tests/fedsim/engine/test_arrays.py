@@ -95,3 +95,19 @@ def test_train_reply_copies_only_arrays_the_learner_does_not_own(state) -> None:
     before = state["w"].clone()
     state["w"].add_(1.0)  # a learner that returned its live parameters keeps training them
     np.testing.assert_array_equal(live["w"].numpy(), before.numpy())
+
+
+def test_resident_arrays_parses_a_serialised_record_once_with_the_same_values() -> None:
+    from flwr.app import Array, ArrayRecord
+
+    from fedsim.engine.arrays import resident_arrays
+
+    values = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "n": np.array([3], dtype=np.int64)}
+    plain = ArrayRecord({k: Array(v) for k, v in values.items()})
+    resident = resident_arrays(plain)
+    assert list(resident.keys()) == ["w", "n"]
+    for key, value in values.items():
+        assert "_ndarray" in resident[key].__dict__  # parsed: reads no longer np.load the bytes
+        np.testing.assert_array_equal(resident[key].numpy(), value)
+        assert resident[key].numpy().dtype == value.dtype and resident[key].data == plain[key].data  # same bytes
+    assert resident_arrays(resident) is resident
