@@ -54,7 +54,7 @@ def prime_seeds(root: int, *parts: int | str, last: list[int]) -> None:
     _primed = {**_primed, **fresh} if len(_primed) + len(fresh) <= _PRIMED_MAX else fresh
 
 
-_PRIMED_MAX = 1 << 16
+_PRIMED_MAX = 1 << 14
 
 
 _M32 = 0xFFFFFFFF
