@@ -257,7 +257,7 @@ def run_raw(cfg: C.ExperimentConfig) -> Outcome:
         ends = [time.perf_counter()]
         for rnd in range(1, cfg.rounds + 1):
             agg: dict[str, torch.Tensor] = {}
-            for stream in ("torch", "batches"):  # a round's seeds in one vectorised pass, as fedsim's engine derives them
+            for stream in ("torch", "batches"):  # a round's seeds in one pass, as fedsim's engine derives them
                 prime_seeds(cfg.seed, stream, rnd, last=list(range(cfg.num_clients)))
             for pid, (x, y) in enumerate(clients):
                 model.load_state_dict(state)

@@ -1,7 +1,9 @@
 """The ``local`` engine: a Flower ``Grid`` that delivers messages to the ClientApp in-process.
 
 No SuperLink, no Ray, no serialisation: Flower's own strategies run unchanged against
-:class:`InProcessGrid`, the learner keeps its model and data resident between rounds, and each
+:class:`InProcessGrid`, fedsim's own ClientApp is served by calling its learner directly (the same
+replies, built after the round's calls; see :meth:`InProcessGrid._deliver`), the learner keeps its model
+and data resident between rounds, and each
 node keeps a persistent ``Context`` (so ``context.state`` survives across rounds, as in Flower's
 simulation, and the server can checkpoint it).  Client exceptions become error replies, exactly as
 Flower's runtimes report them.
@@ -154,12 +156,13 @@ class InProcessGrid(DriverGrid):
     def _deliver(self, messages: list[Message]) -> dict[str, Message]:
         """The replies to ``messages`` (by message id), their calls run back to back.
 
-        fedsim's own train / evaluate messages call the learner directly (:func:`~fedsim.engine.runtime.learner_call`,
-        what its ClientApp runs) and get their replies built after the last call (a training reply as a
-        :class:`~fedsim.engine.records.ResultReply`), and its set-up query is answered as its ClientApp
-        answers it; a foreign ClientApp's messages go through ``ClientApp.__call__``.  Same replies either way; the direct way keeps the
-        framework's code out from between two clients' training (a 1,000-client round ran each client's
-        training ~10% slower with Flower's message handling between them, its caches cold).
+        fedsim's own train / evaluate messages call the learner directly
+        (:func:`~fedsim.engine.runtime.learner_call`, what its ClientApp runs) and get their replies built
+        after the last call (a training reply as a :class:`~fedsim.engine.records.ResultReply`); its set-up
+        query is answered as its ClientApp answers it; a foreign ClientApp's messages go through
+        ``ClientApp.__call__``.  Same replies either way; the direct way keeps the framework's code out from
+        between two clients' training (a 1,000-client round ran each client's training ~10% slower with
+        Flower's message handling between them, its caches cold).
         """
         direct = [self.spec is not None and m.metadata.message_type in _DIRECT for m in messages]
         self._prime_seeds([m for m, d in zip(messages, direct) if d and m.metadata.message_type == MessageType.TRAIN])
