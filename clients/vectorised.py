@@ -256,15 +256,15 @@ def _plan(learner: SupervisedLearner, arrays: StateDict, ctx: NodeContext) -> _C
     return _Client(arrays, ctx, x, y, _mask_rows(masks), mu, _PrivateRound(plan, noise, expected_batch_size(len(y), b)))
 
 
-def _prime_round_seeds(ctxs: list[NodeContext], private: bool) -> None:
-    """Derive the cohort's per-client seeds (``NodeContext.seed``) in one vectorised pass each
-    (:func:`fedsim.seeding.prime_seeds`; the same integers as one by one)."""
+def _prime_round_seeds(learner: SupervisedLearner, ctxs: list[NodeContext]) -> None:
+    """Derive the cohort's per-client seeds of the learner's streams (``Learner.seed_streams``) in one
+    vectorised pass each (:func:`fedsim.seeding.prime_seeds`; the same integers as one by one)."""
     rounds = {(c.root_seed, c.server_round) for c in ctxs}
     if len(rounds) != 1:
         return
     [(root, server_round)] = rounds
     pids = [c.partition_id for c in ctxs]
-    for stream in ("dp-batches", "dp-noise") if private else ("batches",):
+    for stream in learner.seed_streams():
         prime_seeds(root, stream, server_round, last=pids)
 
 
@@ -516,7 +516,7 @@ def train_cohort(learner: SupervisedLearner, arrays_list: list[StateDict], ctxs:
         raise ValueError(f"cannot vectorise this cohort: {reason}")
     if not ctxs:
         return []
-    _prime_round_seeds(ctxs, learner.sample_level_dp)
+    _prime_round_seeds(learner, ctxs)
     sizes = [len(learner.data.client_train(c.partition_id, c.server_round).y) for c in ctxs]
     order = sorted(range(len(ctxs)), key=lambda i: -num_local_steps(sizes[i], learner.cfg))
     if learner.sample_level_dp:

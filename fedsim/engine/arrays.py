@@ -79,6 +79,12 @@ def _plain_array(dtype: str, shape: tuple[int, ...], stype: str, data: bytes) ->
     return Array(dtype=dtype, shape=shape, stype=stype, data=data)
 
 
+def ndarray_of(array: Array) -> np.ndarray:
+    """An ``Array``'s NumPy value, read only: a :class:`ResidentArray`'s own array (no copy), else the parsed bytes."""
+    value = array.__dict__.get("_ndarray")
+    return array.numpy() if value is None else value
+
+
 def host_arrays(state: dict[str, torch.Tensor], copy: bool = True) -> dict[str, np.ndarray]:
     """``state``'s tensors as host NumPy arrays (key order kept): copies, or (``copy=False``, for tensors the
     caller owns and will not write) the tensors' own memory; a CUDA tensor is always copied to the host."""
@@ -123,5 +129,4 @@ def resident_arrays(record: ArrayRecord) -> ArrayRecord:
     next round's clients): each read of a plain ``Array`` parses the bytes again (``np.load``)."""
     if all("_ndarray" in a.__dict__ for a in record.values()):
         return record
-    return array_record({k: a.__dict__.get("_ndarray", None) if "_ndarray" in a.__dict__ else a.numpy()
-                         for k, a in record.items()})
+    return array_record({k: ndarray_of(a) for k, a in record.items()})

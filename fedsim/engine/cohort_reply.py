@@ -26,14 +26,14 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, Message
+from flwr.app import Message
 from flwr.serverapp.strategy import FedAvg, FedProx
 from flwr.serverapp.exception import InconsistentMessageReplies
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords, validate_message_reply_consistency
 
 from fedsim.engine.arrays import array_record
-from fedsim.engine.records import (ReplyRecordDict, ResultReply, aggregate_metric_records, mean_metric_values,
-                                   metric_record, reply_arrays, reply_metrics)
+from fedsim.engine.records import (ReplyRecordDict, aggregate_metric_records, mean_metric_values, metric_record,
+                                   plain_values, reply_arrays, reply_metrics)
 
 #: Strategy classes whose ``aggregate_train`` is Flower's FedAvg mean (exact classes: a subclass may override it).
 LINEAR_STRATEGIES: tuple[type, ...] = (FedAvg, FedProx)
@@ -52,7 +52,7 @@ def linear_weighting(strategy: Any) -> str | None:
 def check_consistent(replies: list[Message], weighting_key: str) -> None:
     """FedAvg's reply check (``validate_message_reply_consistency``), with its errors; on the plain values of
     :class:`~fedsim.engine.records.ResultReply` replies without building their records."""
-    values = [m.plain_values() if isinstance(m, ResultReply) else None for m in replies]
+    values = [plain_values(m) for m in replies]
     if any(v is None for v in values):
         validate_message_reply_consistency([m.content for m in replies], weighting_key, check_arrayrecord=True)
         return

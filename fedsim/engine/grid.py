@@ -32,8 +32,9 @@ import numpy as np
 from flwr.app import Array, ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
+from fedsim.engine.arrays import ndarray_of
 from fedsim.engine.cohort_reply import combined_reply
-from fedsim.engine.records import ResultReply, reply_arrays
+from fedsim.engine.records import ResultReply, plain_values, reply_arrays
 from fedsim.engine.runtime import ATTEMPT, NUM_EXAMPLES, PARTITION_ID, UNIT_WEIGHT
 from fedsim.engine.system import SystemModel
 from fedsim.errors import RunFailedError
@@ -63,7 +64,7 @@ def weighted_means(replies: list[Message]) -> dict[str, float]:
     sums: dict[str, float] = {}
     weights: dict[str, float] = {}
     for msg in replies:
-        values = msg.plain_values() if isinstance(msg, ResultReply) else None
+        values = plain_values(msg)
         for record in [values[1]] if values is not None else msg.content.metric_records.values():
             w = float(record.get(NUM_EXAMPLES, 1))
             for k, v in record.items():
@@ -84,13 +85,12 @@ def finite_array(array: Array) -> bool:
         inexact = _inexact[array.dtype] = bool(np.issubdtype(np.dtype(array.dtype), np.inexact))
     if not inexact:
         return True
-    value = array.__dict__.get("_ndarray")  # a ResidentArray's own array (fedsim.engine.arrays): no copy
-    return bool(np.isfinite(array.numpy() if value is None else value).all())
+    return bool(np.isfinite(ndarray_of(array)).all())
 
 
 def metrics_of(msg: Message) -> Any:
     """A reply's ``metrics`` record (empty if it has none); a ResultReply's own values."""
-    values = msg.plain_values() if isinstance(msg, ResultReply) else None
+    values = plain_values(msg)
     if values is not None:
         return values[1]
     return msg.content["metrics"] if "metrics" in msg.content else {}

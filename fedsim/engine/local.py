@@ -82,7 +82,6 @@ class InProcessGrid(DriverGrid):
         # set when client_app is fedsim's own (build_client_app(spec)): its train / evaluate messages call the
         # learner directly, and a round's cohort trains together where engine.vectorise allows
         self.spec = spec
-        self.vectorise_spec = spec if spec is not None and spec.cfg.engine.vectorise is not False else None
         self._vectorise_refused: str | None = None
         self._call_timeout: float | None = None  # the timeout of the send_and_receive under way
         self._init_nodes(run_id, num_nodes)
@@ -93,7 +92,8 @@ class InProcessGrid(DriverGrid):
         messages = list(messages)
         for msg in messages:  # unique ids, as the SuperLink's uuid4 hex (a per-grid random prefix, then a counter)
             msg.metadata.__dict__["_message_id"] = f"{self._id_prefix}{next(self._ids):016x}"
-        cohort = self._train_cohort(messages) if self.vectorise_spec is not None else {}
+        vectorise = self.spec is not None and self.spec.cfg.engine.vectorise is not False
+        cohort = self._train_cohort(messages) if vectorise else {}
         self._replies.update(cohort)
         self._replies.update(self._deliver([m for m in messages if m.metadata.message_id not in cohort]))
         return [m.metadata.message_id for m in messages]
@@ -107,7 +107,7 @@ class InProcessGrid(DriverGrid):
         """
         from fedsim.engine.runtime import ATTEMPT, _decoded, get_learner, injected_fault, node_context, torch_threads
 
-        spec = self.vectorise_spec
+        spec = self.spec
         assert spec is not None
         cfg = spec.cfg
         msgs, ctxs = [], []

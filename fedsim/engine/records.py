@@ -35,7 +35,7 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.app.message.recorddict import _SyncedDict  # Flower's view type, so views behave as Flower's
 
-from fedsim.engine.arrays import array_record
+from fedsim.engine.arrays import array_record, ndarray_of
 
 
 _RECORD_TYPES = (ArrayRecord, MetricRecord, ConfigRecord)
@@ -176,20 +176,20 @@ def _plain_message(metadata: Any, content: RecordDict) -> Message:
     return Message(metadata=metadata, content=content)
 
 
+def plain_values(msg: Message) -> tuple[dict[str, np.ndarray], dict[str, Any]] | None:
+    """A :class:`ResultReply`'s ``(arrays, metrics)`` while its records are unbuilt; None for any other reply."""
+    return msg.plain_values() if isinstance(msg, ResultReply) else None
+
+
 def reply_metrics(msg: Message) -> Any:
     """The metric values FedAvg weighs a reply by: its first MetricRecord (a ``ResultReply``'s own dict)."""
-    values = msg.plain_values() if isinstance(msg, ResultReply) else None
+    values = plain_values(msg)
     return values[1] if values is not None else next(iter(msg.content.metric_records.values()))
 
 
 def reply_arrays(msg: Message) -> list[tuple[str, Any]]:
     """``(key, NumPy array)`` of every array a reply carries, without copies (read only)."""
-    values = msg.plain_values() if isinstance(msg, ResultReply) else None
+    values = plain_values(msg)
     if values is not None:
         return list(values[0].items())
-    out = []
-    for record in msg.content.array_records.values():
-        for key, array in record.items():
-            value = array.__dict__.get("_ndarray")  # a ResidentArray's own array
-            out.append((key, array.numpy() if value is None else value))
-    return out
+    return [(key, ndarray_of(array)) for record in msg.content.array_records.values() for key, array in record.items()]

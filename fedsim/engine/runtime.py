@@ -465,15 +465,16 @@ def learner_call(spec: RunSpec, msg: Message, context: Context, method: str) -> 
     fault = (injected_fault(cfg, ctx.partition_id, ctx.server_round, int(ctx.config.get(ATTEMPT, 0)))
              if method == "train" else None)  # decided now (it is seeded), carried out when the call runs
     threads = cfg.engine.threads_per_client
+    missing: Exception | None = None
     try:
         arrays = _decoded(msg.content["arrays"])
     except Exception as exc:  # no or bad arrays: the call raises it, as the learner call would
-        arrays, missing = None, exc
+        missing = exc
 
     def call() -> Any:
         if fault is not None:
             _strike(cfg, fault, ctx.partition_id, ctx.server_round)
-        if arrays is None:
+        if missing is not None:
             raise missing
         with torch_threads(threads), _inside_learner():
             return getattr(get_learner(spec), method)(arrays, ctx)
