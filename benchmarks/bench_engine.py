@@ -47,6 +47,16 @@ Systems, each timed end to end (one call, what a user waits for):
   silently falls back to another one (the vectorised path trains clients one by one; the ray
   engine runs without Ray), is reported ``n/a (reason)`` and the benchmark goes on.
 
+Timing protocol.  ``--repeat N`` runs every system N times.  The in-process systems (``raw``,
+``local``, ``sequential``, ``vectorise``) are **interleaved**: repeat ``i`` runs each of them once, in
+an order rotated by ``i``, so a slow minute of the machine falls on all of them alike; each fedsim
+system's ratio to raw is then the **median of its N paired ratios** (its run over raw's run of the same
+repeat), with a distribution-free confidence interval for that median from the order statistics
+(:func:`median_ci`: about 95%; with fewer than 6 runs the min-max range, whose coverage is printed).
+A target is ``met`` when the whole interval is within it, ``NOT met`` when the whole interval is
+outside, and ``inside the noise`` when the interval straddles the bound (measure with more repeats).
+The Ray systems run their N repeats back to back (their start-up dominates) and use the median total.
+
 Before any timing the in-process data is built once (shared by raw and the in-process engines)
 and one untimed 1-round raw + local run warms up torch and imports.  Columns: ``total s`` (the
 whole call; ratios use it), ``rounds s`` (from the end of the initial-model evaluation to the end
@@ -69,6 +79,7 @@ import csv
 import logging
 import math
 import os
+import statistics
 import sys
 import time
 import warnings
@@ -446,6 +457,8 @@ class Row:
     fedsim_over_raw: float | None = None  # fedsim engines only
     flower_over_fedsim: float | None = None  # fedsim engines only (stock Flower's total / this one's)
     note: str = ""
+    runs: list[float] = field(default_factory=list)  # every run's total s, in repeat order
+    ratio_ci: tuple[float, float, float] | None = None  # (low, high, coverage) of fedsim_over_raw's median
 
     @property
     def available(self) -> bool:
@@ -479,8 +492,56 @@ def _one_line(exc: BaseException) -> str:
 
 def measure(run: Callable[[], Outcome], repeat: int) -> Outcome:
     """Run ``repeat`` times; the outcome with the median total time."""
-    outcomes = sorted((run() for _ in range(repeat)), key=lambda o: o.total_s)
-    return outcomes[(len(outcomes) - 1) // 2]
+    return median_outcome([run() for _ in range(repeat)])
+
+
+def median_outcome(outcomes: list[Outcome]) -> Outcome:
+    """The outcome with the median total time (the lower middle one for an even count)."""
+    ordered = sorted(outcomes, key=lambda o: o.total_s)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def measure_interleaved(runs: dict[str, Callable[[], Outcome]], repeat: int,
+                        log: Callable[[str], None] = lambda s: None) -> dict[str, list[Outcome] | Exception]:
+    """Each run ``repeat`` times, interleaved: repeat ``i`` runs every system once, the order rotated by ``i``.
+
+    A system that raises is dropped from the later repeats; its entry is the exception.
+    """
+    names = list(runs)
+    out: dict[str, list[Outcome] | Exception] = {name: [] for name in names}
+    for i in range(repeat):
+        shift = i % len(names)
+        for name in names[shift:] + names[:shift]:
+            done = out[name]
+            if isinstance(done, Exception):
+                continue
+            try:
+                done.append(runs[name]())
+            except Exception as exc:  # noqa: BLE001 - reported as the row's n/a
+                out[name] = exc
+        log(f"repeat {i + 1}/{repeat} done")
+    return out
+
+
+def median_ci(values: list[float], level: float = 0.95) -> tuple[float, float, float] | None:
+    """A distribution-free confidence interval for the median of ``values``: ``(low, high, coverage)``.
+
+    The interval is ``(x_(k), x_(n+1-k))`` of the sorted values with the largest ``k`` whose coverage
+    ``1 - 2 P(Binom(n, 1/2) < k)`` is at least ``level``; with too few values for ``level`` (n < 6 at
+    95%) it is the min-max range, with its own lower coverage.  None for fewer than 2 values.
+    """
+    n = len(values)
+    if n < 2:
+        return None
+    xs = sorted(values)
+
+    def coverage(k: int) -> float:
+        return 1.0 - 2.0 * sum(math.comb(n, j) for j in range(k)) / 2.0 ** n
+
+    k = 1
+    while k + 1 <= (n + 1) // 2 and coverage(k + 1) >= level:
+        k += 1
+    return xs[k - 1], xs[n - k], coverage(k)
 
 
 def warm_up(w: Workload) -> None:
@@ -520,10 +581,28 @@ def run_benchmark(workloads: list[str], systems: list[str], rounds: int = 3, rep
                 log(f"warm-up failed: {_one_line(exc)}")
         results: dict[str, Row] = {}
         arrays: dict[str, dict[str, torch.Tensor] | None] = {}
+        interleaved = [s for s in SYSTEMS if s in systems and s in IN_PROCESS_SYSTEMS]
+        if interleaved:
+            log(f"{wname}: {', '.join(SYSTEMS[s] for s in interleaved)}, interleaved, {repeat} repeat(s) ...")
+        measured = measure_interleaved({s: _in_process_run(w, s, base, rounds, checkpoint) for s in interleaved},
+                                       repeat, log=lambda s: log(f"{wname}: {s}"))
         for system in SYSTEMS:
             if system not in systems:
                 continue
             row = Row(wname, system)
+            if system in measured:
+                got = measured[system]
+                if isinstance(got, Exception):
+                    row.note = f"n/a ({_one_line(got)})"
+                else:
+                    out = median_outcome(got)
+                    row.total_s, row.rounds_s, row.later_round_s = out.total_s, out.rounds_s, out.later_round_s
+                    row.accuracy, row.note, row.runs = out.accuracy, out.note, [o.total_s for o in got]
+                    arrays[system] = out.arrays
+                log(f"{wname}: {SYSTEMS[system]}: " + (f"{row.total_s:.2f} s" if row.available else row.note))
+                results[system] = row
+                rows.append(row)
+                continue
             if system == "flower" and w.num_clients >= 1000 and not stock_flower_at_1000:
                 row.note = "n/a (skipped: stock Flower at 1000 clients is not run in --quick)"
                 results[system] = row
@@ -531,9 +610,7 @@ def run_benchmark(workloads: list[str], systems: list[str], rounds: int = 3, rep
                 continue
             log(f"{wname}: {SYSTEMS[system]} ...")
             try:
-                if system == "raw":
-                    out = measure(lambda: run_raw(base), repeat)
-                elif system == "flower":
+                if system == "flower":
                     out = measure(lambda: run_stock_flower(base), repeat)
                 else:
                     cfg = fedsim_config(w, system, rounds, checkpoint)
@@ -557,6 +634,14 @@ def run_benchmark(workloads: list[str], systems: list[str], rounds: int = 3, rep
     return report
 
 
+def _in_process_run(w: Workload, system: str, base: C.ExperimentConfig, rounds: int,
+                    checkpoint: bool) -> Callable[[], Outcome]:
+    if system == "raw":
+        return lambda: run_raw(base)
+    cfg = fedsim_config(w, system, rounds, checkpoint)
+    return lambda: run_fedsim(cfg, system)
+
+
 def _max_diff(a: dict[str, torch.Tensor] | None, b: dict[str, torch.Tensor] | None) -> float | None:
     if a is None or b is None or set(a) != set(b):
         return None
@@ -573,6 +658,10 @@ def _fill_ratios(results: dict[str, Row], arrays: dict[str, Any]) -> None:
         if system in FEDSIM_SYSTEMS:
             if raw is not None and raw.available:
                 row.fedsim_over_raw = row.total_s / raw.total_s
+                if len(row.runs) > 1 and len(row.runs) == len(raw.runs):  # interleaved: paired by repeat
+                    paired = [a / b for a, b in zip(row.runs, raw.runs)]
+                    row.fedsim_over_raw = statistics.median(paired)
+                    row.ratio_ci = median_ci(paired)
             if stock is not None and stock.available:
                 row.flower_over_fedsim = stock.total_s / row.total_s
 
@@ -605,15 +694,10 @@ def targets(rows: list[Row]) -> list[tuple[str, str, str]]:
                 notes.append(f"sequential {seq.fedsim_over_raw:.2f}")
             if r is not None and r is not loc and r is not seq:
                 notes.append(f"best: {SYSTEMS[r.system]} {r.fedsim_over_raw:.2f}")
-            extra = f" ({'; '.join(notes)})" if notes else ""
-            out.append((f"{wname}: fedsim local/raw <= 1.10", (f"{ratio:.2f}" if ratio is not None else "n/a") + extra,
-                        _verdict(ratio is not None and ratio <= 1.10, ratio is not None)))
+            out.append((f"{wname}: fedsim local/raw <= 1.10", *_ratio_target(loc, 1.10, tuple(notes))))
         seq = by.get((wname, "sequential"))
         if clients in (100, 1000) and seq is not None and seq.available:  # the path DP, CNN, LoRA and regime runs take
-            ratio = seq.fedsim_over_raw
-            out.append((f"{wname}: fedsim local, sequential/raw <= 1.10",
-                        f"{ratio:.2f}" if ratio is not None else "n/a",
-                        _verdict(ratio is not None and ratio <= 1.10, ratio is not None)))
+            out.append((f"{wname}: fedsim local, sequential/raw <= 1.10", *_ratio_target(seq, 1.10)))
         if clients == 1000:
             r = best(wname, lambda r: r.flower_over_fedsim, high=True)
             out.append((f"{wname}: flower/fedsim >= 10",
@@ -630,6 +714,26 @@ def targets(rows: list[Row]) -> list[tuple[str, str, str]]:
 
 def _verdict(ok: bool, measured: bool) -> str:
     return ("met" if ok else "NOT met") if measured else "not measured"
+
+
+def _ratio_target(row: Row | None, bound: float, notes: tuple[str, ...] = ()) -> tuple[str, str]:
+    """``(measured, verdict)`` of the target ``fedsim/raw <= bound``.
+
+    With paired runs it is met only when the median's whole confidence interval is within the bound,
+    NOT met when the interval is all outside, and inside the noise when it straddles the bound.
+    ``notes`` go in the measured text's parentheses after the run count.
+    """
+    ratio = row.fedsim_over_raw if row is not None else None
+    if row is None or ratio is None:
+        return "n/a", "not measured"
+    ci = row.ratio_ci
+    if ci is None:
+        detail, verdict = f"{max(len(row.runs), 1)} run(s), no interval", _verdict(ratio <= bound, True)
+    else:
+        low, high, coverage = ci
+        detail = f"{coverage:.0%} CI {low:.2f}-{high:.2f}, {len(row.runs)} paired runs"
+        verdict = "met" if high <= bound else ("NOT met" if low > bound else "inside the noise")
+    return f"{ratio:.2f} ({'; '.join((detail, *notes))})", verdict
 
 
 # ----------------------------------------------------------------------------------- printing
@@ -682,7 +786,8 @@ def print_report(report: Report) -> None:
     console.print("total s: one call end to end (Ray start/stop included for Ray systems).  rounds s: from the end "
                   "of the initial-model evaluation to the end of the last round (for Ray systems it may include "
                   "worker start-up that overlaps round 1).  s/round 2..R: the steady per-round cost.  Ratios use "
-                  "total s.  max |Δw|: largest difference of the final global weights from raw's.")
+                  "total s: with --repeat > 1 an in-process fedsim system's is the median of its ratios to raw's run "
+                  "of the same (interleaved) repeat, the targets' interval that median's confidence interval.  max |Δw|: largest difference of the final global weights from raw's.")
     if report.ray_start_s is not None:
         console.print(f"a bare ray.init + ray.shutdown (the Ray systems' arguments) took {report.ray_start_s:.2f} s")
 
@@ -691,12 +796,16 @@ def write_csv(report: Report, path: Path) -> None:
     with open(path, "w", newline="") as fh:
         fields = ["workload", "system", "system_name", "total_s", "rounds_s", "later_round_s", "accuracy",
                   "max_weight_diff",
-                  "fedsim_over_raw", "flower_over_fedsim", "note", "rounds", "cpu_count"]
+                  "fedsim_over_raw", "ratio_ci_low", "ratio_ci_high", "ratio_ci_coverage", "runs",
+                  "flower_over_fedsim", "note", "rounds", "cpu_count"]
         writer = csv.DictWriter(fh, fieldnames=fields)
         writer.writeheader()
         for r in report.rows:
-            writer.writerow({**asdict(r), "system_name": SYSTEMS[r.system], "rounds": report.rounds,
-                             "cpu_count": report.cpu_count})
+            ci = r.ratio_ci or (None, None, None)
+            row = {k: v for k, v in asdict(r).items() if k not in ("ratio_ci", "runs")}
+            writer.writerow({**row, "system_name": SYSTEMS[r.system], "rounds": report.rounds,
+                             "cpu_count": report.cpu_count, "ratio_ci_low": ci[0], "ratio_ci_high": ci[1],
+                             "ratio_ci_coverage": ci[2], "runs": len(r.runs) or None})
 
 
 def _names(text: str, known: dict[str, Any], what: str) -> list[str]:
@@ -715,7 +824,8 @@ def main(argv: list[str] | None = None) -> Report:
                     help=f"comma list of {', '.join(WORKLOADS)} (default: these) or mlp-N / cnn-N")
     ap.add_argument("--systems", default=None, help=f"comma list of {', '.join(SYSTEMS)} (default: all)")
     ap.add_argument("--rounds", type=int, default=None, help="rounds (default 3; 1 with --quick)")
-    ap.add_argument("--repeat", type=int, default=1, help="runs per system; the median total time is reported")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="runs per system (in-process systems interleaved); ratios: median of paired runs with a CI")
     ap.add_argument("--checkpoint", action="store_true", help="keep fedsim's per-round checkpoint on (default off)")
     ap.add_argument("--csv", type=Path, default=None, help="also write the rows to this CSV file")
     args = ap.parse_args(argv)

@@ -93,11 +93,56 @@ def test_targets(bench) -> None:
     # the overhead target is the local engine's as shipped; what auto chose, the sequential ratio and the
     # best engine are named beside it
     assert got["mlp-100: fedsim local/raw <= 1.10"] == (
-        "1.20 (auto: sequential; sequential 1.25; best: fedsim local+vectorise 0.50)", "NOT met")
-    assert got["cnn-100: fedsim local/raw <= 1.10"] == ("1.05", "met")
+        "1.20 (1 run(s), no interval; auto: sequential; sequential 1.25; best: fedsim local+vectorise 0.50)",
+        "NOT met")
+    assert got["cnn-100: fedsim local/raw <= 1.10"] == ("1.05 (1 run(s), no interval)", "met")
     assert got["mlp-1000: flower/fedsim >= 10"] == ("12.0 (fedsim local)", "met")
     assert got["mlp-1000: vectorised >= 3x sequential"] == ("n/a", "not measured")
     # the sequential path (DP, CNN, LoRA and regime runs take it) has its own target at 100 and 1,000 clients
-    assert got["mlp-100: fedsim local, sequential/raw <= 1.10"] == ("1.25", "NOT met")
+    assert got["mlp-100: fedsim local, sequential/raw <= 1.10"] == ("1.25 (1 run(s), no interval)", "NOT met")
     assert got["mlp-1000: fedsim local, sequential/raw <= 1.10"] == ("n/a", "not measured")
     assert "cnn-100: fedsim local, sequential/raw <= 1.10" not in got  # not measured in this report
+
+
+def test_median_ci_is_the_order_statistic_interval(bench) -> None:
+    assert bench.median_ci([1.0]) is None
+    # n=5: too few for 95%, so the min-max range, covering 1 - 2/32
+    assert bench.median_ci([5.0, 1.0, 3.0, 2.0, 4.0]) == (1.0, 5.0, pytest.approx(1 - 2 / 32))
+    # n=9: (x_2, x_8), coverage 1 - 2 * (1 + 9) / 512 = 0.961; k=3 would cover only 0.820
+    low, high, cov = bench.median_ci([float(v) for v in range(9, 0, -1)])
+    assert (low, high) == (2.0, 8.0) and cov == pytest.approx(1 - 20 / 512)
+    low, high, cov = bench.median_ci([float(v) for v in range(20)])  # n=20: k=6, coverage 0.959
+    assert (low, high) == (5.0, 14.0) and cov == pytest.approx(0.9586, abs=1e-4)
+
+
+def test_in_process_systems_are_interleaved_and_paired(bench, monkeypatch) -> None:
+    order: list[str] = []
+
+    def fake(name: str, totals: list[float]):
+        it = iter(totals)
+
+        def run():
+            order.append(name)
+            return bench.Outcome(next(it), [0.0, 1.0], 0.5)
+        return run
+
+    got = bench.measure_interleaved({"raw": fake("raw", [1.0, 2.0, 1.0]), "seq": fake("seq", [1.1, 2.2, 1.1])}, 3)
+    assert order == ["raw", "seq", "seq", "raw", "raw", "seq"]  # rotated each repeat
+    assert [o.total_s for o in got["seq"]] == [1.1, 2.2, 1.1]
+    raw = bench.Row("mlp-100", "raw", 1.0, runs=[1.0, 2.0, 1.0])
+    seq = bench.Row("mlp-100", "sequential", 1.1, runs=[1.1, 2.2, 1.1])
+    bench._fill_ratios({"raw": raw, "sequential": seq}, {})
+    # paired: every repeat's ratio is 1.1 although the machine was twice as slow in repeat 2
+    assert seq.fedsim_over_raw == pytest.approx(1.1) and seq.ratio_ci[:2] == pytest.approx((1.1, 1.1))
+
+
+def test_a_ratio_target_is_met_only_outside_the_noise(bench) -> None:
+    def row(ratio, ci, runs=5):
+        return bench.Row("mlp-100", "sequential", 1.0, fedsim_over_raw=ratio, ratio_ci=ci, runs=[1.0] * runs)
+
+    assert bench._ratio_target(row(1.05, (1.02, 1.08, 0.94)), 1.10) == (
+        "1.05 (94% CI 1.02-1.08, 5 paired runs)", "met")
+    assert bench._ratio_target(row(1.08, (1.04, 1.13, 0.94)), 1.10)[1] == "inside the noise"
+    assert bench._ratio_target(row(1.15, (1.11, 1.19, 0.94)), 1.10)[1] == "NOT met"
+    assert bench._ratio_target(row(1.05, None, runs=1), 1.10) == ("1.05 (1 run(s), no interval)", "met")
+    assert bench._ratio_target(None, 1.10) == ("n/a", "not measured")
