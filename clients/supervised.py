@@ -29,6 +29,8 @@ Two hooks let server-side algorithms shape local training through the round conf
 
 from __future__ import annotations
 
+import contextlib
+
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -187,6 +189,14 @@ class SupervisedLearner(Learner):
             model.set_trainable(A=bool(ctx.config.get(LORA_TRAIN_A, mp.train_A)),
                                 B=bool(ctx.config.get(LORA_TRAIN_B, True)), head=mp.train_head)
 
+    def _client_draws(self, model: nn.Module, ctx: NodeContext) -> contextlib.AbstractContextManager[Any]:
+        """Adapter models off the CPU draw dropout masks as LoRA cohorts do (:func:`clients.lora_cohort.client_draws`)."""
+        if not hasattr(model, "federated_keys"):
+            return contextlib.nullcontext()
+        from clients.lora_cohort import client_draws
+
+        return client_draws(model, ctx)
+
     @staticmethod
     def _reply_arrays(model: nn.Module) -> StateDict:
         """Everything for plain models; only what was trained for adapter models (fresh host copies)."""
@@ -204,11 +214,19 @@ class SupervisedLearner(Learner):
 
     # -- cohort training (engine.vectorise): one vmapped step for many clients, clients.vectorised --
     def cohort_refusal(self, ctxs: list[NodeContext], auto: bool) -> str | None:
+        if hasattr(self.model, "federated_keys"):  # adapters on a frozen base: clients.lora_cohort
+            from clients.lora_cohort import lora_cohort_refusal
+
+            return lora_cohort_refusal(self, ctxs, auto)
         from clients.vectorised import auto_vectorise, vectorise_unsupported
 
         return (auto_vectorise if auto else vectorise_unsupported)(self, ctxs)
 
     def train_cohort(self, arrays_list: list[StateDict], ctxs: list[NodeContext], chunk: int) -> list[TrainResult]:
+        if hasattr(self.model, "federated_keys"):
+            from clients.lora_cohort import train_lora_cohort
+
+            return train_lora_cohort(self, arrays_list, ctxs, chunk)
         from clients.vectorised import train_cohort
 
         return train_cohort(self, arrays_list, ctxs, chunk)
@@ -275,7 +293,9 @@ class SupervisedLearner(Learner):
             mean_loss, steps, extra = self._train_private(model, x, y, ctx, make_optimizer(model, self.cfg))
         else:
             optimizer = self._fresh_optimiser(model)
-            mean_loss, steps, extra = self._train_plain(model, x, y, ctx, optimizer), num_local_steps(len(y), self.cfg), {}
+            with self._client_draws(model, ctx):
+                mean_loss = self._train_plain(model, x, y, ctx, optimizer)
+            steps, extra = num_local_steps(len(y), self.cfg), {}
         self._anchor = None
         metrics = {"train_loss": mean_loss, "local_steps": float(steps), **transformed, **extra}
         return TrainResult(self._reply_arrays(model), num_examples=len(y), metrics=metrics, owned=True)

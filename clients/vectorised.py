@@ -45,9 +45,9 @@ not): a ``SupervisedLearner`` that keeps its methods named in :data:`KEPT_METHOD
 an SGD or Adam optimiser, no batch-statistics normalisation (BatchNorm, or any
 norm with running stats), no active dropout (``vmap`` runs with ``randomness="error"``, so any
 other random op in the forward pass raises rather than silently differing), no adapter models
-(``federated_keys``: the LoRA encoder keeps its checkpoint's dropout of 0.1, whose per-client masks
-a batched cohort cannot draw as the sequential rounds do, so a LoRA cohort would not be exact), no
-tied parameters, and every client has at least one training example.
+(``federated_keys``: their cohorts train on one shared frozen base, with each client's own dropout
+masks, in :mod:`clients.lora_cohort`), no tied parameters, and every client has at least one
+training example.
 
 A failure anywhere (e.g. a transform raising for one client) fails the whole call; a caller that
 needs per-client failure semantics falls back to sequential training then.
@@ -114,7 +114,7 @@ def _optimizer_unsupported(learner: SupervisedLearner) -> str | None:
 
 def _model_unsupported(model: nn.Module) -> str | None:
     if hasattr(model, "federated_keys"):
-        return "adapter models (federated_keys) are not supported"
+        return "adapter models (federated_keys) train as LoRA cohorts (clients.lora_cohort), not here"
     for name, m in model.named_modules():
         if isinstance(m, _BatchNorm) or (isinstance(m, _NormBase) and m.track_running_stats):
             return f"module {name!r} ({type(m).__name__}) uses batch statistics or running stats"

@@ -1,0 +1,390 @@
+"""LoRA cohorts: a round's adapter clients trained together on one shared frozen base (issue #29, part 3).
+
+:func:`train_lora_cohort` returns, for every ``(arrays, ctx)`` of a cohort, what
+``SupervisedLearner.train(arrays, ctx)`` returns for an adapter model (``federated_keys``:
+``minilm_lora``, ``hf_lora``) without DP-SGD: the trained LoRA factors and head, ``num_examples``,
+``train_loss`` and ``local_steps``.  It runs the cohort's local steps with **one forward and one
+backward of the frozen base per step**: the clients' batches are stacked along the batch axis, every
+base layer (embeddings, attention, feed-forward, LayerNorm) runs once over all of them, and only the
+layers whose weights are a client's own (every LoRA factor and the classification head: the
+per-client parameters of :func:`own_keys`) are computed per client, on that client's rows, with that
+client's weights.  A ``TorchFunctionMode`` (:class:`_CohortMode`) does the swapping: an ``F.linear``
+whose weight is one of the model's per-client parameters runs once per client on its rows.
+
+Why it is exact (to the float rounding of the stacked base kernels; the tests compare with the
+sequential path at ``atol=1e-5``):
+
+* the encoders treat rows independently (attention within one sequence, LayerNorm per token, mean
+  pooling per row), so a client's rows get the activations they get alone;
+* **dropout**: the sequential round seeds the global generator with ``ctx.seed("torch")`` and the
+  backbone's dropout (0.1 in MiniLM's checkpoint) draws its masks from it.  Here each client has a
+  ``torch.Generator`` with that seed, and every random op of the forward pass draws, for each client's
+  rows, from that client's generator, with the shape its sequential call has: ``F.dropout`` is
+  ``input * bernoulli(1 - p) / (1 - p)``, and ``scaled_dot_product_attention`` with dropout runs, on
+  CPU, PyTorch's math path (one ``bernoulli`` draw of the attention weights' shape), reproduced here
+  per client.  Draws come in the sequential order (every dropout site of a step in forward order,
+  step after step), so every mask is the sequential mask bit for bit (tested);
+* each client's batches come from ``iterate_batches`` with its own ``ctx.seed("batches")`` generator;
+* the loss is the sum of the clients' mean cross-entropies, so a client's gradient is its own;
+* each client has its own optimiser (:func:`clients.supervised.optimizer_for` over its own parameter
+  copies: a fresh one, as the sequential round's is), ``grad_clip`` is ``clip_grad_norm_`` per client;
+* afterwards the learner is left as the sequential round leaves it: the model holds the last client's
+  arrays and trained weights, and the global generator the state the last client's draws left.
+
+On a GPU PyTorch's fused dropout kernels draw masks no per-client op can reproduce, so there an
+adapter model's *sequential* round draws its masks through the same mode, one client at a time
+(:func:`client_draws`, used by ``SupervisedLearner.train``): the masks differ from the fused kernels'
+(same distribution, other draws) and a cohort is again exactly the sequential round.  On CPU the mode
+draws what PyTorch draws (tested), so CPU results are unchanged.
+
+Valid where :func:`lora_cohort_refusal` gives no reason: a ``SupervisedLearner`` keeping
+:data:`LORA_KEPT_METHODS`, an adapter model whose rows are computed independently (the LoRA text
+encoders are; a user's adapter model must be, which ``engine.vectorise=true`` takes on trust beyond
+the refusal of batch-statistics normalisation), no
+sample-level DP-SGD (per-example adapter gradients of a stacked cohort are not built), no FedProx
+term and no model transforms in the round config, the same trainable factors for every client, and
+every client with a training example.  :func:`train_lora_cohort` also raises ``ValueError`` when
+the clients' shared (base) weights differ, or when a client's arrays lack a weight it trains (the
+sequential round would carry the previous client's value over); the local engine then trains the
+clients one by one.  A random op the mode does not reproduce (causal or GQA attention with dropout,
+an in-place dropout on a non-contiguous input) raises the same way.
+
+``engine.vectorise=true`` uses it wherever it is valid; ``engine.vectorise=auto`` only where it was
+measured faster (``benchmarks/bench_lora_cohort.py``): on CPU, for client steps of at most
+:data:`AUTO_MAX_STEP_TOKENS` token positions.  With larger steps (FedSVD's 64 x 32) a client's matmuls
+are already large and stacking them gains nothing on 2 cores; on a GPU it has not been measured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
+from torch.overrides import TorchFunctionMode
+
+from clients.supervised import SupervisedLearner, iterate_batches, num_local_steps, optimizer_for
+from clients.vectorised import KEPT_METHODS
+from fedsim.contracts.learner import Learner, NodeContext, StateDict, TrainResult
+from fedsim.contracts.wire import LORA_TRAIN_A, LORA_TRAIN_B, PROXIMAL_MU, TRANSFORM_KEY
+from fedsim.device import to_host
+
+#: Methods a learner must inherit unchanged from SupervisedLearner for the cohort to be its sequential round.
+LORA_KEPT_METHODS = (*KEPT_METHODS, "_load", "_set_trainable", "_client_draws")
+
+#: The largest client step (token positions: batch x sequence length) at which ``engine.vectorise=auto``
+#: trains a LoRA cohort together.  ``benchmarks/bench_lora_cohort.py`` on 2 CPU cores, MiniLM, 4 clients,
+#: 2 steps, 1 thread, sequential / cohort: 1.16x at 8 x 16 positions, 1.10x at 16 x 16, 1.03x at 16 x 32,
+#: 1.00x at 32 x 32 and 0.89-0.96x at FedSVD's 64 x 32 (the stacked base saves per-op dispatch, which
+#: only matters while a client's matmuls are small).
+AUTO_MAX_STEP_TOKENS = 256
+
+#: Most token positions one stacked forward holds (clients are trained in chunks within it); a chunk
+#: always holds at least one client.  MiniLM keeps ~170 KB of activations per position for backward.
+LORA_CHUNK_TOKENS = 16384
+
+
+# -- validity -------------------------------------------------------------------------------------
+
+def _trainable_flags(learner: SupervisedLearner, ctx: NodeContext) -> tuple[bool, bool, bool]:
+    mp = learner.model.params  # type: ignore[union-attr]
+    return (bool(ctx.config.get(LORA_TRAIN_A, mp.train_A)), bool(ctx.config.get(LORA_TRAIN_B, True)),
+            bool(mp.train_head))
+
+
+def lora_cohort_refusal(learner: Learner, ctxs: list[NodeContext], auto: bool) -> str | None:
+    """Why this cohort of adapter clients is trained one by one (None: :func:`train_lora_cohort` trains it).
+
+    With ``auto`` (``engine.vectorise=auto``) also where the cohort was not measured faster: models other
+    than the LoRA text encoders, off the CPU (not measured yet) and past :data:`AUTO_MAX_STEP_TOKENS` token
+    positions per client step.
+    """
+    reason = _unsupported(learner, ctxs)
+    if reason is not None or not auto:
+        return reason
+    assert isinstance(learner, SupervisedLearner)
+    from fedsim.models.minilm import MiniLMLoRAClassifier
+
+    if not isinstance(learner.model, MiniLMLoRAClassifier):
+        return "only the LoRA text encoders (minilm_lora, hf_lora) were measured (engine.vectorise=true forces it)"
+    if learner.device.type != "cpu":
+        return f"LoRA cohorts on {learner.device.type} are not measured yet (engine.vectorise=true uses them)"
+    tokens = _step_tokens(learner, ctxs)
+    if tokens > AUTO_MAX_STEP_TOKENS:
+        return (f"a client step of {tokens} token positions is past the {AUTO_MAX_STEP_TOKENS} up to which a LoRA "
+                "cohort was measured faster (engine.vectorise=true forces it)")
+    return None
+
+
+def _step_tokens(learner: SupervisedLearner, ctxs: list[NodeContext]) -> int:
+    """Token positions of the largest client step: min(batch size, examples) x sequence length."""
+    width = int(learner.data.input_shape[0]) if learner.data.input_shape else 1
+    largest = max(len(learner.data.client_train(c.partition_id, c.server_round).y) for c in ctxs)
+    return min(learner.cfg.client.batch_size, max(1, largest)) * width
+
+
+def _unsupported(learner: Learner, ctxs: list[NodeContext]) -> str | None:
+    if len(ctxs) < 2:
+        return "a cohort of one client"
+    if not isinstance(learner, SupervisedLearner):
+        return f"learner {type(learner).__name__} is not a SupervisedLearner"
+    for name in LORA_KEPT_METHODS:
+        if getattr(type(learner), name) is not getattr(SupervisedLearner, name):
+            return f"{type(learner).__name__} overrides SupervisedLearner.{name}"
+    model = learner.model
+    if not hasattr(model, "federated_keys"):
+        return "not an adapter model (federated_keys)"
+    if learner.sample_level_dp:
+        return "DP-SGD LoRA cohorts are not built (per-example adapter gradients of a stacked cohort)"
+    for name, m in model.named_modules():
+        if isinstance(m, _BatchNorm) or (isinstance(m, _NormBase) and m.track_running_stats):
+            return f"module {name!r} ({type(m).__name__}) uses batch statistics: rows are not independent"
+    if any(PROXIMAL_MU in c.config for c in ctxs):
+        return "the FedProx term is not built for LoRA cohorts"
+    if any(c.config.get(TRANSFORM_KEY) for c in ctxs):
+        return "model transforms are not built for LoRA cohorts"
+    if len({_trainable_flags(learner, c) for c in ctxs}) != 1:
+        return "the clients train different LoRA factors"
+    for c in ctxs:
+        if len(learner.data.client_train(c.partition_id, c.server_round).y) == 0:
+            return f"client {c.partition_id} has no training examples"
+    return None
+
+
+def own_keys(model: nn.Module) -> list[str]:
+    """The model's per-client parameters: every LoRA factor and the head (``federated_keys`` without the base)."""
+    params = dict(model.named_parameters())
+    return [k for k in model.federated_keys() if k in params]  # type: ignore[operator]
+
+
+# -- the forward pass with per-client weights and random draws ----------------------------------------
+
+class _CohortMode(TorchFunctionMode):
+    """Per-client ``F.linear`` for the model's own parameters; per-client random draws for dropout and
+    attention dropout.  ``sizes``: each client's rows, in stacking order."""
+
+    def __init__(self, own: dict[int, list[torch.Tensor]], sizes: list[int] | None,
+                 generators: list[torch.Generator]) -> None:
+        super().__init__()
+        self.own, self.sizes, self.generators = own, sizes, generators  # sizes None: one client, every row
+        self.rows = sum(sizes) if sizes is not None else None
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.linear:
+            return self._linear(*args, **kwargs)
+        if func is F.dropout:
+            return self._dropout(*args, **kwargs)
+        if func is F.scaled_dot_product_attention:
+            return self._attention(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    def _split(self, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.sizes is None:
+            return (t,)
+        if t.shape[0] != self.rows:
+            raise ValueError(f"a per-client op got {t.shape[0]} rows for a cohort of {self.rows}")
+        return t.split(self.sizes)
+
+    def _value(self, t: torch.Tensor | None, c: int) -> torch.Tensor | None:
+        values = self.own.get(id(t)) if t is not None else None
+        return values[c] if values is not None else t
+
+    def _linear(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if id(weight) not in self.own and id(bias) not in self.own:
+            return F.linear(input, weight, bias)  # a shared base layer: once over every row
+        return torch.cat([F.linear(x, self._value(weight, c), self._value(bias, c))  # type: ignore[arg-type]
+                          for c, x in enumerate(self._split(input))])
+
+    def _mask(self, like: torch.Tensor, p: float, c: int) -> torch.Tensor:
+        """``at::dropout``'s scaled noise for client ``c``: ``empty_like(x).bernoulli_(1 - p) / (1 - p)``."""
+        if not like.is_contiguous():
+            raise ValueError("a dropout input that is not contiguous: its sequential mask layout is not reproduced")
+        noise = torch.empty_like(like).bernoulli_(1 - p, generator=self.generators[c])
+        return noise.div_(1 - p)
+
+    def _dropout(self, input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+        if not training or p == 0 or p == 1 or input.numel() == 0:  # no draw in these cases
+            return F.dropout(input, p, training, inplace)
+        return torch.cat([x * self._mask(x, p, c) for c, x in enumerate(self._split(input))])
+
+    def _attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
+                   scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
+        if dropout_p == 0:
+            return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=0.0,
+                                                  is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        if is_causal or enable_gqa:
+            raise ValueError("causal or GQA attention with dropout is not reproduced per client")
+        # PyTorch's math path (what SDPA runs on CPU with dropout): a boolean mask becomes 0 / -inf, q and k are
+        # scaled by sqrt(scale), the softmax is _safe_softmax, then one draw of the weights' shape
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            attn_mask = torch.where(attn_mask, 0.0, torch.scalar_tensor(-math.inf, dtype=query.dtype,
+                                                                       device=attn_mask.device))
+        clients = len(self.generators)
+        if attn_mask is not None and attn_mask.dim() > 0 and attn_mask.shape[0] == (self.rows or query.shape[0]):
+            masks: tuple[torch.Tensor | None, ...] = self._split(attn_mask)
+        elif attn_mask is None or attn_mask.dim() < 4 or attn_mask.shape[0] == 1:
+            masks = (attn_mask,) * clients  # broadcast over the batch
+        else:
+            raise ValueError(f"an attention mask of batch {attn_mask.shape[0]} for a cohort of {self.rows} rows")
+        factor = math.sqrt(scale if scale is not None else 1.0 / math.sqrt(query.shape[-1]))
+        out = []
+        for c, (q, k, v) in enumerate(zip(self._split(query), self._split(key), self._split(value))):
+            attn = (q * factor) @ (k * factor).transpose(-2, -1)
+            if masks[c] is not None:
+                attn = attn + masks[c]
+            attn = torch._safe_softmax(attn, -1)
+            out.append((attn * self._mask(attn, dropout_p, c)) @ v)
+        return torch.cat(out)
+
+
+#: Devices on which PyTorch's own dropout and attention-dropout kernels draw what :class:`_CohortMode` draws
+#: (``bernoulli_`` of the input's shape from the seeded generator; tested).  Elsewhere (CUDA's fused kernels)
+#: they do not, so there an adapter model's sequential round draws its masks through the mode as well
+#: (:func:`client_draws`), and a cohort stays exactly the sequential round.
+NATIVE_DRAW_DEVICES: tuple[str, ...] = ("cpu",)
+
+
+def client_draws(model: nn.Module, ctx: NodeContext) -> contextlib.AbstractContextManager[Any]:
+    """The random draws of one adapter client's sequential round, as a cohort draws them.
+
+    On :data:`NATIVE_DRAW_DEVICES` nothing changes (PyTorch's kernels draw the same masks from the global
+    generator the learner seeds); on other devices the round's dropout masks come from a generator seeded
+    with ``ctx.seed("torch")`` through :class:`_CohortMode`, the one way a cohort can reproduce them.
+    """
+    device = next(model.parameters()).device
+    if not hasattr(model, "federated_keys") or device.type in NATIVE_DRAW_DEVICES:
+        return contextlib.nullcontext()
+    return _CohortMode({}, None, [torch.Generator(device=device).manual_seed(ctx.seed("torch"))])
+
+
+# -- training -------------------------------------------------------------------------------------
+
+@dataclass
+class _Client:
+    ctx: NodeContext
+    x: torch.Tensor
+    y: torch.Tensor
+    steps: int
+    batches: Iterator[torch.Tensor]
+    values: dict[str, torch.Tensor]  # the client's own value of every own_keys parameter
+    trained: list[str]  # the keys it trains (their values are leaf tensors requiring grad)
+    generator: torch.Generator
+    optimizer: torch.optim.Optimizer | None = None
+    loss_sum: float = 0.0
+    done: int = 0
+    rows: torch.Tensor | None = field(default=None, repr=False)  # this step's batch indices
+
+
+def _shared_arrays_equal(arrays_list: list[StateDict], own: set[str]) -> None:
+    """The clients' arrays share one base: the same keys, and every non-adapter value equal."""
+    first = arrays_list[0]
+    for arrays in arrays_list[1:]:
+        if arrays is first:
+            continue
+        if arrays.keys() != first.keys():  # a key sent to some clients only: the sequential load order would matter
+            raise ValueError("the clients' arrays carry different keys")
+        for k, v in arrays.items():
+            if k not in own and v is not first[k] and not torch.equal(v, first[k]):
+                raise ValueError(f"the clients' shared weight {k!r} differs: no single base to share")
+
+
+def _client(learner: SupervisedLearner, arrays: StateDict, ctx: NodeContext,
+            model_values: dict[str, torch.Tensor], trained: list[str]) -> _Client:
+    missing = [k for k in trained if k not in arrays]
+    if missing:
+        raise ValueError(f"client {ctx.partition_id}'s arrays lack trained weights ({missing[0]}, ...): the "
+                         "sequential round would start it from the previous client's values")
+    x, y = learner._tensors(learner.data.client_train(ctx.partition_id, ctx.server_round))
+    values = {}
+    for k, current in model_values.items():
+        v = arrays[k].to(device=current.device, dtype=current.dtype) if k in arrays else current
+        values[k] = v.detach().clone().requires_grad_(k in trained)
+    steps = num_local_steps(len(y), learner.cfg)
+    batches = iterate_batches(len(y), learner.cfg.client.batch_size, torch.Generator().manual_seed(ctx.seed("batches")))
+    generator = torch.Generator(device=x.device).manual_seed(ctx.seed("torch"))
+    c = _Client(ctx, x, y, steps, batches, values, trained, generator)
+    c.optimizer = optimizer_for([values[k] for k in trained], learner.cfg)
+    return c
+
+
+def _train_chunk(model: nn.Module, clients: list[_Client], params: dict[str, nn.Parameter],
+                 grad_clip: float | None) -> None:
+    """Every local step of ``clients``, one stacked forward and backward per step."""
+    while True:
+        active = [c for c in clients if c.done < c.steps]
+        if not active:
+            return
+        for c in active:
+            c.rows = next(c.batches)
+        sizes = [len(c.rows) for c in active]  # type: ignore[arg-type]
+        own = {id(p): [c.values[k] for c in active] for k, p in params.items()}
+        xb = torch.cat([c.x[c.rows] for c in active])
+        with _CohortMode(own, sizes, [c.generator for c in active]):
+            logits = model(xb)
+        losses = [F.cross_entropy(part, c.y[c.rows]) for part, c in zip(logits.split(sizes), active)]
+        torch.stack(losses).sum().backward()
+        for c, loss in zip(active, losses):
+            trained = [c.values[k] for k in c.trained]
+            if grad_clip is not None:
+                nn.utils.clip_grad_norm_(trained, grad_clip)
+            assert c.optimizer is not None
+            c.optimizer.step()
+            c.optimizer.zero_grad(set_to_none=True)
+            c.loss_sum += float(loss.detach())
+            c.done += 1
+
+
+def train_lora_cohort(learner: SupervisedLearner, arrays_list: list[StateDict], ctxs: list[NodeContext],
+                      chunk: int) -> list[TrainResult]:
+    """``[learner.train(a, c) for a, c in zip(arrays_list, ctxs)]`` for an adapter model, on one shared base
+    per stacked step, in chunks of at most ``chunk`` clients (and :data:`LORA_CHUNK_TOKENS` positions)."""
+    if len(arrays_list) != len(ctxs):
+        raise ValueError(f"{len(arrays_list)} arrays for {len(ctxs)} clients")
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    reason = lora_cohort_refusal(learner, ctxs, auto=False)
+    if reason is not None:
+        raise ValueError(f"cannot train this LoRA cohort together: {reason}")
+    model = learner.model
+    keys = own_keys(model)
+    _shared_arrays_equal(arrays_list, set(keys))
+    learner._load(arrays_list[0])  # the shared base (and client 0's own weights, which the mode replaces)
+    learner._set_trainable(model, ctxs[0])
+    params = dict(model.named_parameters())
+    if any(p.requires_grad for k, p in params.items() if k not in keys):
+        raise ValueError("a trainable parameter outside the adapters and the head: no single base to share")
+    own_params = {k: params[k] for k in keys}
+    trained = [k for k in keys if own_params[k].requires_grad]
+    if not trained:
+        raise ValueError("the model trains no parameter")
+    current = {k: p.detach() for k, p in own_params.items()}
+    model.train()
+    chunk = max(1, min(chunk, LORA_CHUNK_TOKENS // _step_tokens(learner, ctxs)))
+    results: list[TrainResult] = []
+    last: _Client | None = None
+    for start in range(0, len(ctxs), chunk):
+        clients = [_client(learner, arrays_list[i], ctxs[i], current, trained)
+                   for i in range(start, min(start + chunk, len(ctxs)))]
+        _train_chunk(model, clients, own_params, learner.params.grad_clip)
+        for c in clients:
+            metrics = {"train_loss": c.loss_sum / c.steps, "local_steps": float(c.steps)}
+            arrays = {k: to_host(c.values[k].detach()) for k in model.trainable_keys()}  # type: ignore[operator]
+            results.append(TrainResult(arrays, num_examples=len(c.y), metrics=metrics, owned=True))
+        last = clients[-1]
+    assert last is not None
+    # leave the learner as the sequential round does: the last client's arrays and trained weights, and the
+    # global generator where the last client's draws left it
+    learner._load(arrays_list[-1])
+    with torch.no_grad():
+        for k in trained:
+            own_params[k].copy_(last.values[k])
+    if last.generator.device.type in NATIVE_DRAW_DEVICES:  # elsewhere the sequential round uses its own generator
+        torch.default_generator.set_state(last.generator.get_state())
+    return results
