@@ -51,13 +51,22 @@ def _num(text: str, fmt: str, suffix: str = "") -> str:
     return "" if text in ("", None) else f"{float(text):{fmt}}{suffix}"
 
 
+def _ratio(r: dict[str, str]) -> str:
+    """fedsim/raw, with its confidence interval where the CSV has one (``--repeat`` > 1, paired runs)."""
+    ratio = _num(r.get("fedsim_over_raw", ""), ".2f")
+    low, high, cov = (r.get(k, "") for k in ("ratio_ci_low", "ratio_ci_high", "ratio_ci_coverage"))
+    if not ratio or not low or not high:
+        return ratio
+    return f"{ratio} [{float(low):.2f}–{float(high):.2f}]" + (f" ({float(cov):.0%}, {r.get('runs')} runs)" if cov else "")
+
+
 def render(rows: list[dict[str, str]]) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in rows:
         total = "n/a" if r["total_s"] == "" else _num(r["total_s"], ".2f")
         lines.append("| " + " | ".join([
             r["workload"], r["system_name"], total, _num(r.get("later_round_s", ""), ".3f"),
-            _num(r.get("fedsim_over_raw", ""), ".2f"), _num(r.get("flower_over_fedsim", ""), ".1f", "x"),
+            _ratio(r), _num(r.get("flower_over_fedsim", ""), ".1f", "x"),
             r.get("note", ""), f"`{r['source']}`"]) + " |")
     return "\n".join(lines)
 

@@ -73,21 +73,33 @@ def check_consistent(replies: list[Message], weighting_key: str) -> None:
                                                 "Skipping aggregation.")
 
 
-def combined_reply(replies: list[Message], weighting_key: str, reply_to: Message) -> Message:
+def combined_reply(replies: list[Message], weighting_key: str, reply_to: Message,
+                   finite_only: bool = False) -> Message | None:
     """One reply whose FedAvg aggregate equals FedAvg's aggregate of ``replies`` (successful ones, in
-    the order the strategy would see them), bit for bit; it answers ``reply_to``."""
+    the order the strategy would see them), bit for bit; it answers ``reply_to``.
+
+    ``finite_only``: None instead when a floating-point entry of the weighted sum is not finite.  A
+    finite sum proves every reply's floating-point arrays finite (a NaN or infinity times a weight
+    ``n_i / N >= 0`` is NaN or infinite, and so is any sum it enters), so the caller may skip checking
+    the replies one by one; a non-finite sum means a reply is not finite or the sum overflowed.
+    """
     check_consistent(replies, weighting_key)
     metric_values = [reply_metrics(m) for m in replies]
     total = sum(m[weighting_key] for m in metric_values)
     factors = [m[weighting_key] / total for m in metric_values]
     acc: dict[str, np.ndarray] = {}
+    floating: set[str] = set()
     for reply, factor in zip(replies, factors):
         for key, array in reply_arrays(reply):
+            if array.dtype.kind in "fc":
+                floating.add(key)
             value = array * factor  # a new array: the reply's own is never written
             if key in acc:
                 acc[key] += value
             else:
                 acc[key] = value
+    if finite_only and not all(np.isfinite(acc[key]).all() for key in floating):
+        return None
     metrics = mean_metric_values(zip(metric_values, factors), weighting_key)
     metrics[weighting_key] = total
     return Message(ReplyRecordDict({"arrays": array_record(acc), "metrics": metric_record(metrics)}), reply_to=reply_to)

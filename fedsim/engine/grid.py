@@ -187,8 +187,11 @@ class MonitoredGrid(Grid):
         replies.sort(key=lambda m: self.partition_of.get(m.metadata.src_node_id, 1 << 62))
         missing = len(messages) - len(replies)
         rejected: list[tuple[Message, str]] = []
+        combined: Message | None = None
         if kind == MessageType.TRAIN:
-            replies, rejected = _reject_non_finite(replies)
+            combined = self._combined_if_finite(messages, replies)
+            if combined is None:  # check the replies one by one (a finite combined sum proves them all finite)
+                replies, rejected = _reject_non_finite(replies)
         ok = [m for m in replies if not m.has_error()]
         failures = [f"partition {self.partition_of.get(m.metadata.src_node_id, '?')}: {self._reason(m)}"
                     for m in replies if m.has_error()]
@@ -211,14 +214,40 @@ class MonitoredGrid(Grid):
                     f"round failed: {len(ok)} training results, the strategy needs at least "
                     f"{self.min_train_results} ({len(failures)} client failures; first: {detail}{lost})")
             if self.combine_key is not None and len(ok) > 1:
-                by_node = {m.metadata.dst_node_id: m for m in messages}
-                combined = combined_reply(ok, self.combine_key, by_node[ok[0].metadata.src_node_id])
+                if combined is None:
+                    combined = combined_reply(ok, self.combine_key, self._reply_to(messages, ok[0]))
                 return [combined] + [m for m in replies if m.has_error()]
         elif kind == MessageType.EVALUATE:
             self.tally.eval_ok += len(ok)
             self.tally.eval_failed += len(failures)
             self.tally.eval_metrics = weighted_means(ok)
         return replies
+
+    def _combined_if_finite(self, messages: list[Message], replies: list[Message]) -> Message | None:
+        """The round's combined training reply when the strategy takes one and every reply is finite; else
+        None (the caller then checks replies one by one and combines the kept ones, as before).
+
+        The weighted sum is computed anyway, and a finite one proves every reply's parameters finite
+        (:func:`~fedsim.engine.cohort_reply.combined_reply`), which saves checking each reply's arrays.
+        """
+        if self.combine_key is None:
+            return None
+        ok = [m for m in replies if not m.has_error()]
+        if len(ok) < max(2, self.min_train_results):
+            return None
+        for m in ok:
+            loss = metrics_of(m).get("train_loss")
+            if isinstance(loss, (int, float)) and not math.isfinite(loss):
+                return None
+        try:
+            return combined_reply(ok, self.combine_key, self._reply_to(messages, ok[0]), finite_only=True)
+        except Exception:  # noqa: BLE001 - e.g. inconsistent replies: the per-reply path raises it after rejecting
+            return None
+
+    @staticmethod
+    def _reply_to(messages: list[Message], reply: Message) -> Message:
+        """The sent message ``reply`` answers (the combined reply answers the first successful client's)."""
+        return next(m for m in messages if m.metadata.dst_node_id == reply.metadata.src_node_id)
 
     # -- system model and retries --------------------------------------------------------------
     def _apply_system_model(self, messages: list[Message]) -> list[Message]:

@@ -86,6 +86,7 @@ class InProcessGrid(DriverGrid):
         self._call_timeout: float | None = None  # the timeout of the send_and_receive under way
         self._init_nodes(run_id, num_nodes)
         self._replies: dict[str, Message] = {}
+        self._pids: dict[int, int] | None = None
         self._id_prefix, self._ids = uuid.uuid4().hex[:16], itertools.count()
 
     def push_messages(self, messages: Iterable[Message]) -> list[str]:
@@ -191,7 +192,9 @@ class InProcessGrid(DriverGrid):
             if len(rounds) != 1:
                 return
             [server_round] = rounds
-            pids = [int(self.contexts[m.metadata.dst_node_id].node_config["partition-id"]) for m in messages]
+            if self._pids is None:
+                self._pids = self.partitions()  # node id -> partition id (fixed for the grid's life)
+            pids = [self._pids[m.metadata.dst_node_id] for m in messages]
             cfg = self.spec.cfg
             for stream in get_learner(self.spec).seed_streams():
                 prime_seeds(cfg.seed, stream, server_round, last=pids)

@@ -87,3 +87,14 @@ def test_the_vectorise_table_summarises_grid_points_per_model_and_cohort(tmp_pat
     (row,) = [ln for ln in doc.read_text().splitlines() if ln.startswith("| yes")]
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[:10] == ["yes", "cpu", "mlp:32", "100", "3", "1.00", "3.00", "4.00", "3", "0"]
+
+
+def test_a_paired_ratio_shows_its_confidence_interval(tmp_path) -> None:
+    pt = perf_table()
+    header = HEADER.replace("fedsim_over_raw,", "fedsim_over_raw,ratio_ci_low,ratio_ci_high,ratio_ci_coverage,runs,")
+    (tmp_path / "engine-1.csv").write_text(header + "mlp-100,raw,raw PyTorch,0.25,,0.08,0.7,,,,,,9,,,3,2\n"
+                                           "mlp-100,sequential,\"fedsim local, sequential\",0.28,,0.09,0.7,0,1.12,"
+                                           "1.05,1.19,0.961,9,,,3,2\n")
+    table = pt.render(pt.read_rows(list(tmp_path.glob("engine*.csv"))))
+    assert "| 1.12 [1.05–1.19] (96%, 9 runs) |" in table
+    assert "| raw PyTorch | 0.25 | 0.080 |  |" in table  # no ratio for raw

@@ -148,3 +148,21 @@ def test_result_reply_copies_arrays_the_learner_does_not_own() -> None:
     state["w"].add_(1.0)  # the learner keeps training its live parameters
     np.testing.assert_array_equal(reply.plain_values()[0]["w"], np.zeros(3, dtype=np.float32))
     assert isinstance(reply, ResultReply)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("where", [0, 4, 8])
+def test_a_finite_weighted_sum_proves_every_reply_finite(bad, where) -> None:
+    """finite_only: a non-finite value in any reply (also one of weight 0) makes the sum non-finite."""
+    msgs = [instruction(i + 1) for i in range(9)]
+    rs = results(9)
+    plain = combined_reply([result_reply(m, r) for m, r in zip(msgs, rs)], "num-examples", msgs[0])
+    finite = combined_reply([result_reply(m, r) for m, r in zip(msgs, rs)], "num-examples", msgs[0], finite_only=True)
+    assert finite is not None
+    assert_same_aggregate(fedavg().aggregate_train(1, [finite]), fedavg().aggregate_train(1, [plain]))
+    rs[where].arrays["w"][2, 1] = bad
+    if where == 8:
+        rs[where].num_examples = 0  # a weight of 0 does not hide it: 0 * inf and 0 * nan are nan
+    replies = [result_reply(m, r) for m, r in zip(msgs, rs)]
+    assert combined_reply(replies, "num-examples", msgs[0], finite_only=True) is None
+    assert combined_reply(replies, "num-examples", msgs[0]) is not None  # without the check: FedAvg's arithmetic
