@@ -474,6 +474,7 @@ def test_text_params_resolve_and_check() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parallel
 def test_real_minilm_features_and_the_random_control() -> None:
     from central.combo import text
     from envs.text import tokenize_texts

@@ -232,6 +232,7 @@ def test_cli_rejects_bad_params_in_one_line(capsys) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parallel
 def test_text_setting_tail_matches_minilm_and_runs() -> None:
     from central.deft.models import minilm, minilm_prefix_states, minilm_tail
 

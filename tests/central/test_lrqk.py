@@ -295,6 +295,7 @@ def test_run_end_to_end_on_the_test_lm_is_seeded_and_consistent(tmp_path) -> Non
 
 
 @pytest.mark.slow
+@pytest.mark.parallel
 def test_smollm2_gqa_with_k_all_matches_transformers_eager() -> None:
     from central.lrqk.run import load_model
 

@@ -350,6 +350,7 @@ def test_bad_params_give_one_line_config_errors(tmp_path, capsys) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parallel
 def test_smollm2_target_with_its_own_tokenizer_stays_lossless_under_greedy() -> None:
     params = replace(OmniDraftParams(), target="smollm2", drafter_preset="test")
     m = load_models(params)

@@ -125,6 +125,7 @@ def test_final_report_selects_by_source_val_and_by_target_test() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parallel
 def test_tracked_run_logs_report_and_plots(tracking_uri) -> None:
     assert main(["run", "imgda", *TINY, "--rounds", "2", "--clients", "2", "--tracking-uri", tracking_uri,
                  "--quiet"]) == 0

@@ -89,6 +89,7 @@ def test_federated_labelled_rows_on_few_nodes_and_fedavg_weights() -> None:
 
 
 @pytest.mark.slow  # MLflow's sqlite store set-up dominates
+@pytest.mark.parallel
 def test_tracked_run_logs_report_and_plots(tracking_uri) -> None:
     assert main(["run", "rankmatch", *TINY, "--rounds", "2", "--clients", "3", "--tracking-uri", tracking_uri,
                  "--quiet"]) == 0

@@ -226,6 +226,7 @@ def two_threads():
 
 
 @pytest.mark.slow  # 1-13 s (12.8 s at load ~4): the first MiniLM encoder load in the process
+@pytest.mark.parallel
 def test_minilm_fresh_adapter_leaves_the_output_unchanged(two_threads) -> None:
     """B = 0: the MiniLM model with adapter slots computes the plain one, whatever the slot; only the
     wrapped query/value projections and the head are base (the rest of the encoder is frozen, not exchanged)."""
@@ -251,6 +252,7 @@ def test_minilm_fresh_adapter_leaves_the_output_unchanged(two_threads) -> None:
 
 
 @pytest.mark.slow  # 3.5-18 s (18 s at load ~4): builds the stdlib_docs set (parse + tokenise) the first time
+@pytest.mark.parallel
 def test_minilm_tasks_are_token_ids_and_adaptation_trains_only_the_fresh_adapter(two_threads) -> None:
     learner = get_learner(RunSpec.from_config(text_cfg_of()))
     learner.preflight()
@@ -277,6 +279,7 @@ def test_minilm_bad_params_are_one_line_config_errors(override: str, clients: in
 
 
 @pytest.mark.slow
+@pytest.mark.parallel
 def test_minilm_text_variant_runs_end_to_end_and_same_seed_same_history(two_threads) -> None:
     cfg = text_cfg_of()
     first, again = run_experiment(cfg), run_experiment(cfg)

@@ -87,6 +87,7 @@ def test_ft1_and_ftn_train_identically_scratch_restarts() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parallel
 def test_tracked_run_logs_the_report_and_plots(tracking_uri, tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("FEDSIM_CACHE", str(tmp_path / "cache"))
     assert main(["run", "ckarl", *TINY, "--rounds", "6", "--tracking-uri", tracking_uri, "--quiet"]) == 0

@@ -22,6 +22,7 @@ def test_there_are_labs_and_each_explains_and_ends_with_exercises() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parallel
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("path", LABS, ids=[p.stem for p in LABS])
 def test_lab_runs(path: Path, tmp_path, monkeypatch) -> None:

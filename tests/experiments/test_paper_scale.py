@@ -72,6 +72,7 @@ def test_quick_plan_has_the_skew_control(capsys: pytest.CaptureFixture[str]) -> 
 
 
 @pytest.mark.slow
+@pytest.mark.parallel
 def test_first_rounds_of_the_paper_experiment_on_a_fixture(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from fedsim.runner import run_experiment
 

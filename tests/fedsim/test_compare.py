@@ -16,6 +16,7 @@ def test_legend_keys_are_the_shortest_unambiguous_suffix() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parallel
 @pytest.mark.timeout(240)
 def test_runs_are_grouped_by_what_the_user_set_not_by_derived_client_sizes(tracking_uri, in_tmp) -> None:
     base = ["run", "fedavg", "--rounds", "1", "data.name=digits", "model.name=mlp", "data.partition.name=iid",

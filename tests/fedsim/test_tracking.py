@@ -189,6 +189,7 @@ def _fedsim_litter(folder: Path) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.parallel
 @pytest.mark.timeout(300)
 def test_environment_wins_over_the_files_uri_and_a_run_leaves_no_temp_files(tmp_path, monkeypatch, capsys,
                                                                             fresh_tmpdir) -> None:
@@ -216,6 +217,7 @@ def test_environment_wins_over_the_files_uri_and_a_run_leaves_no_temp_files(tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.parallel
 @pytest.mark.timeout(300)
 def test_a_failing_tracked_run_leaves_no_temp_files(in_tmp, fresh_tmpdir, tracking_uri) -> None:
     from mlflow import MlflowClient

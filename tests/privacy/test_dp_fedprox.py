@@ -48,6 +48,7 @@ def test_proximal_gradient_is_added_after_noise_exactly() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parallel
 def test_fedprox_under_dp_spends_what_fedavg_spends() -> None:
     def run(*extra: str):
         cfg = C.load_config("fedavg", [*DIGITS, *extra], {"rounds": 2, "clients": 3})

@@ -87,6 +87,7 @@ def test_eps_rejected_for_learner_without_dp(capsys) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parallel
 def test_fedphoenix_under_dp_spends_what_fedavg_spends() -> None:
     """The reset is data-independent: the same plan, steps and ε as FedAvg under DP."""
     common = ["data.name=digits", "client.local_steps=2", "strategy.fraction_train=0.5", "model.params.channels=[64,64]",
@@ -98,6 +99,7 @@ def test_fedphoenix_under_dp_spends_what_fedavg_spends() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parallel
 @pytest.mark.timeout(300)
 def test_fedsvd_dp_adapter_is_finite_changes_and_keeps_base() -> None:
     cfg = cfg_of("fedsvd", *TINY_TEXT, rounds=2, clients=2)
@@ -119,6 +121,7 @@ def test_fedsvd_dp_adapter_is_finite_changes_and_keeps_base() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parallel
 @pytest.mark.timeout(300)
 def test_fedsvd_without_refactor_and_dp_equals_ffa_lora() -> None:
     base = [*TINY_TEXT, "privacy.enabled=false"]

@@ -30,6 +30,7 @@ def test_reply_metrics_strict_keeps_ledger_keys_and_weight_one() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parallel
 def test_strict_run_withholds_and_says_so(tracking_uri) -> None:
     common = ["run", "fedavg", *DP, "--rounds", "2", "--clients", "3", "--tracking-uri", tracking_uri, "--quiet"]
     assert main([*common, "privacy.release=strict"]) == 0

@@ -41,6 +41,7 @@ def test_tiny_lm_learns_and_is_cached(tmp_path, monkeypatch) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parallel
 def test_smollm2_loads_offline_and_decodes_greedily() -> None:
     from central.lm.smollm import load_smollm2
 

@@ -119,6 +119,7 @@ def test_paper_preset_without_paths_is_a_one_line_error() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parallel
 def test_paper_preset_runs_end_to_end_with_dp(tmp_path, tiny_model, in_tmp) -> None:
     from fedsim.api import run
 
