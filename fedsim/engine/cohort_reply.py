@@ -23,6 +23,7 @@ Flower's INFO log counts ("Received 1 results").
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -89,15 +90,17 @@ def combined_reply(replies: list[Message], weighting_key: str, reply_to: Message
     factors = [m[weighting_key] / total for m in metric_values]
     acc: dict[str, np.ndarray] = {}
     floating: set[str] = set()
-    for reply, factor in zip(replies, factors):
-        for key, array in reply_arrays(reply):
-            if array.dtype.kind in "fc":
-                floating.add(key)
-            value = array * factor  # a new array: the reply's own is never written
-            if key in acc:
-                acc[key] += value
-            else:
-                acc[key] = value
+    # a non-finite reply is expected under finite_only (it is then found and rejected): no NumPy warning for it
+    with np.errstate(invalid="ignore", over="ignore") if finite_only else contextlib.nullcontext():
+        for reply, factor in zip(replies, factors):
+            for key, array in reply_arrays(reply):
+                if array.dtype.kind in "fc":
+                    floating.add(key)
+                value = array * factor  # a new array: the reply's own is never written
+                if key in acc:
+                    acc[key] += value
+                else:
+                    acc[key] = value
     if finite_only and not all(np.isfinite(acc[key]).all() for key in floating):
         return None
     metrics = mean_metric_values(zip(metric_values, factors), weighting_key)

@@ -1,0 +1,52 @@
+"""benchmarks/bench_lora_cohort.py: the random-encoder setting runs without the MiniLM wheel and compares both paths."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def bench():
+    name = "bench_lora_cohort"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+@pytest.fixture
+def registries():
+    """The benchmark's model and dataset registrations are removed afterwards (other tests list every entry)."""
+    from fedsim.registry import DATASETS, MODELS
+
+    before = {r: dict(r._entries) for r in (MODELS, DATASETS)}
+    yield
+    for registry, entries in before.items():
+        registry._entries.clear()
+        registry._entries.update(entries)
+
+
+def test_random_encoder_setting_times_both_paths_and_they_agree(bench, registries) -> None:
+    bench.register_random_setting()
+    bench.register_random_setting()  # idempotent
+    r = bench.measure(clients=2, steps=1, batch=4, max_len=8, device="cpu", threads=1, repeat=1, random_encoder=True)
+    assert r["sequential_s"] > 0 and r["cohort_s"] > 0
+    assert r["speedup"] == pytest.approx(r["sequential_s"] / r["cohort_s"])
+    assert r["max_dw"] <= 1e-5  # the cohort is the sequential round (dropout masks included)
+
+
+def test_bad_arguments_exit_with_one_line(bench) -> None:
+    with pytest.raises(SystemExit, match="--clients needs sizes >= 2"):
+        bench.main(["--clients", "1"])
+    with pytest.raises(SystemExit, match="comma list of integers"):
+        bench.main(["--clients", "two"])
