@@ -787,7 +787,8 @@ def print_report(report: Report) -> None:
                   "of the initial-model evaluation to the end of the last round (for Ray systems it may include "
                   "worker start-up that overlaps round 1).  s/round 2..R: the steady per-round cost.  Ratios use "
                   "total s: with --repeat > 1 an in-process fedsim system's is the median of its ratios to raw's run "
-                  "of the same (interleaved) repeat, the targets' interval that median's confidence interval.  max |Δw|: largest difference of the final global weights from raw's.")
+                  "of the same (interleaved) repeat, the targets' interval that median's confidence interval.  "
+                  "max |Δw|: largest difference of the final global weights from raw's.")
     if report.ray_start_s is not None:
         console.print(f"a bare ray.init + ray.shutdown (the Ray systems' arguments) took {report.ray_start_s:.2f} s")
 

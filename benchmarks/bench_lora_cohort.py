@@ -117,7 +117,8 @@ def measure(clients: int, steps: int, batch: int, max_len: int, device: str, thr
     with torch_threads(threads):  # as the local engine runs both paths
         seq_s, seq = _timed(lambda: [learner.train(arrays, c) for c in ctxs], repeat, dev)
         coh_s, coh = _timed(lambda: train_lora_cohort(learner, [arrays] * clients, ctxs, 256), repeat, dev)
-    gap = max(float((a.arrays[k] - b.arrays[k]).abs().max()) for a, b in zip(seq, coh) for k in a.arrays)  # type: ignore[attr-defined]
+    gap = max(float((a.arrays[k] - b.arrays[k]).abs().max())  # type: ignore[attr-defined]
+              for a, b in zip(seq, coh) for k in a.arrays)  # type: ignore[attr-defined]
     return {"sequential_s": seq_s, "cohort_s": coh_s, "speedup": seq_s / coh_s, "max_dw": gap}
 
 

@@ -79,9 +79,9 @@ LORA_KEPT_METHODS = (*KEPT_METHODS, "_load", "_set_trainable", "_client_draws")
 
 #: The largest client step (token positions: batch x sequence length) at which ``engine.vectorise=auto``
 #: trains a LoRA cohort together.  ``benchmarks/bench_lora_cohort.py`` on 2 CPU cores, MiniLM, 4 clients,
-#: 2 steps, 1 thread, sequential / cohort: 1.16x at 8 x 16 positions, 1.10x at 16 x 16, 1.03x at 16 x 32,
-#: 1.00x at 32 x 32 and 0.89-0.96x at FedSVD's 64 x 32 (the stacked base saves per-op dispatch, which
-#: only matters while a client's matmuls are small).
+#: 2 steps, 1 thread, sequential / cohort: 1.11-1.16x at 8 x 16 positions (1.18x with 8 clients), 1.10x
+#: at 16 x 16, 1.03x at 16 x 32, 1.00x at 32 x 32 and 0.89-0.96x at FedSVD's 64 x 32 (the stacked base
+#: saves per-op dispatch, which only matters while a client's matmuls are small).
 AUTO_MAX_STEP_TOKENS = 256
 
 #: Most token positions one stacked forward holds (clients are trained in chunks within it); a chunk
@@ -210,7 +210,8 @@ class _CohortMode(TorchFunctionMode):
         noise = torch.empty_like(like).bernoulli_(1 - p, generator=self.generators[c])
         return noise.div_(1 - p)
 
-    def _dropout(self, input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+    def _dropout(self, input: torch.Tensor, p: float = 0.5, training: bool = True,
+                 inplace: bool = False) -> torch.Tensor:
         if not training or p == 0 or p == 1 or input.numel() == 0:  # no draw in these cases
             return F.dropout(input, p, training, inplace)
         return torch.cat([x * self._mask(x, p, c) for c, x in enumerate(self._split(input))])
