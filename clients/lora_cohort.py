@@ -59,23 +59,22 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 from torch.overrides import TorchFunctionMode
 
 from clients.supervised import SupervisedLearner, iterate_batches, num_local_steps, optimizer_for
-from clients.vectorised import KEPT_METHODS
+from clients.vectorised import KEPT_METHODS, overridden_method, uses_batch_statistics
 from fedsim.contracts.learner import Learner, NodeContext, StateDict, TrainResult
-from fedsim.contracts.wire import LORA_TRAIN_A, LORA_TRAIN_B, PROXIMAL_MU, TRANSFORM_KEY
+from fedsim.contracts.wire import PROXIMAL_MU, TRANSFORM_KEY
 from fedsim.device import to_host
 
 #: Methods a learner must inherit unchanged from SupervisedLearner for the cohort to be its sequential round.
-LORA_KEPT_METHODS = (*KEPT_METHODS, "_load", "_set_trainable", "_client_draws")
+LORA_KEPT_METHODS = (*KEPT_METHODS, "_load", "_set_trainable", "_trainable_flags", "_client_draws")
 
 #: The largest client step (token positions: batch x sequence length) at which ``engine.vectorise=auto``
 #: trains a LoRA cohort together.  ``benchmarks/bench_lora_cohort.py`` on 2 CPU cores, MiniLM, 4 clients,
@@ -92,12 +91,6 @@ LORA_CHUNK_TOKENS = 8192
 
 
 # -- validity -------------------------------------------------------------------------------------
-
-def _trainable_flags(learner: SupervisedLearner, ctx: NodeContext) -> tuple[bool, bool, bool]:
-    mp = learner.model.params  # type: ignore[union-attr]
-    return (bool(ctx.config.get(LORA_TRAIN_A, mp.train_A)), bool(ctx.config.get(LORA_TRAIN_B, True)),
-            bool(mp.train_head))
-
 
 def lora_cohort_refusal(learner: Learner, ctxs: list[NodeContext], auto: bool) -> str | None:
     """Why this cohort of adapter clients is trained one by one (None: :func:`train_lora_cohort` trains it).
@@ -135,22 +128,22 @@ def _unsupported(learner: Learner, ctxs: list[NodeContext]) -> str | None:
         return "a cohort of one client"
     if not isinstance(learner, SupervisedLearner):
         return f"learner {type(learner).__name__} is not a SupervisedLearner"
-    for name in LORA_KEPT_METHODS:
-        if getattr(type(learner), name) is not getattr(SupervisedLearner, name):
-            return f"{type(learner).__name__} overrides SupervisedLearner.{name}"
+    reason = overridden_method(learner, LORA_KEPT_METHODS)
+    if reason is not None:
+        return reason
     model = learner.model
     if not hasattr(model, "federated_keys"):
         return "not an adapter model (federated_keys)"
     if learner.sample_level_dp:
         return "DP-SGD LoRA cohorts are not built (per-example adapter gradients of a stacked cohort)"
     for name, m in model.named_modules():
-        if isinstance(m, _BatchNorm) or (isinstance(m, _NormBase) and m.track_running_stats):
+        if uses_batch_statistics(m):
             return f"module {name!r} ({type(m).__name__}) uses batch statistics: rows are not independent"
     if any(PROXIMAL_MU in c.config for c in ctxs):
         return "the FedProx term is not built for LoRA cohorts"
     if any(c.config.get(TRANSFORM_KEY) for c in ctxs):
         return "model transforms are not built for LoRA cohorts"
-    if len({_trainable_flags(learner, c) for c in ctxs}) != 1:
+    if len({learner._trainable_flags(model, c) for c in ctxs}) != 1:
         return "the clients train different LoRA factors"
     for c in ctxs:
         if len(learner.data.client_train(c.partition_id, c.server_round).y) == 0:
@@ -271,7 +264,6 @@ def client_draws(model: nn.Module, ctx: NodeContext) -> contextlib.AbstractConte
 
 @dataclass
 class _Client:
-    ctx: NodeContext
     x: torch.Tensor
     y: torch.Tensor
     steps: int
@@ -282,7 +274,6 @@ class _Client:
     optimizer: torch.optim.Optimizer | None = None
     loss_sum: float = 0.0
     done: int = 0
-    rows: torch.Tensor | None = field(default=None, repr=False)  # this step's batch indices
 
 
 def _shared_arrays_equal(arrays_list: list[StateDict], own: set[str]) -> None:
@@ -312,7 +303,7 @@ def _client(learner: SupervisedLearner, arrays: StateDict, ctx: NodeContext,
     steps = num_local_steps(len(y), learner.cfg)
     batches = iterate_batches(len(y), learner.cfg.client.batch_size, torch.Generator().manual_seed(ctx.seed("batches")))
     generator = torch.Generator(device=x.device).manual_seed(ctx.seed("torch"))
-    c = _Client(ctx, x, y, steps, batches, values, trained, generator)
+    c = _Client(x, y, steps, batches, values, trained, generator)
     c.optimizer = optimizer_for([values[k] for k in trained], learner.cfg)
     return c
 
@@ -324,14 +315,13 @@ def _train_chunk(model: nn.Module, clients: list[_Client], params: dict[str, nn.
         active = [c for c in clients if c.done < c.steps]
         if not active:
             return
-        for c in active:
-            c.rows = next(c.batches)
-        sizes = [len(c.rows) for c in active]  # type: ignore[arg-type]
+        rows = [next(c.batches) for c in active]  # this step's batch of each client
+        sizes = [len(r) for r in rows]
         own = {id(p): [c.values[k] for c in active] for k, p in params.items()}
-        xb = torch.cat([c.x[c.rows] for c in active])
+        xb = torch.cat([c.x[r] for c, r in zip(active, rows)])
         with _CohortMode(own, sizes, [c.generator for c in active]):
             logits = model(xb)
-        losses = [F.cross_entropy(part, c.y[c.rows]) for part, c in zip(logits.split(sizes), active)]
+        losses = [F.cross_entropy(part, c.y[r]) for part, c, r in zip(logits.split(sizes), active, rows)]
         torch.stack(losses).sum().backward()
         for c, loss in zip(active, losses):
             trained = [c.values[k] for k in c.trained]

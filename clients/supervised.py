@@ -30,7 +30,6 @@ Two hooks let server-side algorithms shape local training through the round conf
 from __future__ import annotations
 
 import contextlib
-
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -185,9 +184,16 @@ class SupervisedLearner(Learner):
 
     def _set_trainable(self, model: nn.Module, ctx: NodeContext) -> None:
         if hasattr(model, "set_trainable"):
-            mp = model.params
-            model.set_trainable(A=bool(ctx.config.get(LORA_TRAIN_A, mp.train_A)),
-                                B=bool(ctx.config.get(LORA_TRAIN_B, True)), head=mp.train_head)
+            a, b, head = self._trainable_flags(model, ctx)
+            model.set_trainable(A=a, B=b, head=head)
+
+    @staticmethod
+    def _trainable_flags(model: nn.Module, ctx: NodeContext) -> tuple[bool, bool, bool]:
+        """Which of an adapter model's LoRA ``A``, ``B`` and head this round trains (the strategy's round config
+        over the model's defaults)."""
+        mp = model.params
+        return (bool(ctx.config.get(LORA_TRAIN_A, mp.train_A)), bool(ctx.config.get(LORA_TRAIN_B, True)),
+                bool(mp.train_head))
 
     def _client_draws(self, model: nn.Module, ctx: NodeContext) -> contextlib.AbstractContextManager[Any]:
         """Adapter models off the CPU draw dropout masks as LoRA cohorts do (:func:`clients.lora_cohort.client_draws`)."""

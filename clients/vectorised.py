@@ -112,11 +112,24 @@ def _optimizer_unsupported(learner: SupervisedLearner) -> str | None:
     return f"optimizer {type(opt).__name__} is not implemented (only SGD and Adam)"
 
 
+def uses_batch_statistics(module: nn.Module) -> bool:
+    """Whether ``module`` normalises with batch statistics or keeps running stats (rows are not independent)."""
+    return isinstance(module, _BatchNorm) or (isinstance(module, _NormBase) and module.track_running_stats)
+
+
+def overridden_method(learner: SupervisedLearner, names: tuple[str, ...]) -> str | None:
+    """Why a cohort would not be ``learner``'s own round: the first of ``names`` its class overrides."""
+    for name in names:
+        if getattr(type(learner), name) is not getattr(SupervisedLearner, name):
+            return f"{type(learner).__name__} overrides SupervisedLearner.{name}"
+    return None
+
+
 def _model_unsupported(model: nn.Module) -> str | None:
     if hasattr(model, "federated_keys"):
         return "adapter models (federated_keys) train as LoRA cohorts (clients.lora_cohort), not here"
     for name, m in model.named_modules():
-        if isinstance(m, _BatchNorm) or (isinstance(m, _NormBase) and m.track_running_stats):
+        if uses_batch_statistics(m):
             return f"module {name!r} ({type(m).__name__}) uses batch statistics or running stats"
         if isinstance(m, _DropoutNd) and m.p > 0:
             return f"module {name!r} is an active dropout (p={m.p}): its random masks would differ"
@@ -131,9 +144,9 @@ def vectorise_unsupported(learner: Learner, ctxs: list[NodeContext]) -> str | No
     """Why this cohort cannot be trained exactly by :func:`train_cohort` (None: it can)."""
     if not isinstance(learner, SupervisedLearner):
         return f"learner {type(learner).__name__} is not a SupervisedLearner"
-    for name in KEPT_METHODS:
-        if getattr(type(learner), name) is not getattr(SupervisedLearner, name):
-            return f"{type(learner).__name__} overrides SupervisedLearner.{name}"
+    reason = overridden_method(learner, KEPT_METHODS)
+    if reason is not None:
+        return reason
     if learner.sample_level_dp and learner.cfg.privacy.grad_sample_mode == "ghost":
         return "DP-SGD with privacy.grad_sample_mode=ghost (ghost clipping) is not vectorised"
     reason = _model_unsupported(learner.model) or _optimizer_unsupported(learner)

@@ -96,11 +96,19 @@ def metrics_of(msg: Message) -> Any:
     return msg.content["metrics"] if "metrics" in msg.content else {}
 
 
-def non_finite_reason(msg: Message) -> str | None:
-    """Why a training reply cannot be aggregated (a non-finite loss or parameter); None if it can."""
+def non_finite_loss(msg: Message) -> str | None:
+    """Why a training reply's loss cannot be aggregated (it is not finite); None if it can."""
     loss = metrics_of(msg).get("train_loss")
     if isinstance(loss, (int, float)) and not math.isfinite(loss):
         return f"non-finite loss ({loss}): lower client.lr"
+    return None
+
+
+def non_finite_reason(msg: Message) -> str | None:
+    """Why a training reply cannot be aggregated (a non-finite loss or parameter); None if it can."""
+    why = non_finite_loss(msg)
+    if why is not None:
+        return why
     for key, array in reply_arrays(msg):
         if array.dtype.kind in "fc" and not np.isfinite(array).all():
             return f"non-finite parameters ({key}): lower client.lr"
@@ -235,10 +243,8 @@ class MonitoredGrid(Grid):
         ok = [m for m in replies if not m.has_error()]
         if len(ok) < max(2, self.min_train_results):
             return None
-        for m in ok:
-            loss = metrics_of(m).get("train_loss")
-            if isinstance(loss, (int, float)) and not math.isfinite(loss):
-                return None
+        if any(non_finite_loss(m) is not None for m in ok):
+            return None
         try:
             return combined_reply(ok, self.combine_key, self._reply_to(messages, ok[0]), finite_only=True)
         except Exception:  # noqa: BLE001 - e.g. inconsistent replies: the per-reply path raises it after rejecting
