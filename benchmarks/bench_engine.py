@@ -93,6 +93,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fedsim import config as C  # noqa: E402
+from fedsim.device import check_device_name, resolve_device  # noqa: E402
+from fedsim.errors import ConfigError  # noqa: E402
 from fedsim.logs import quiet_third_party  # noqa: E402
 from fedsim.seeding import derive_seed, prime_seeds, seed_torch  # noqa: E402
 
@@ -148,7 +150,7 @@ QUICK_WORKLOADS = ("mlp-100",)
 
 
 def workload_config(w: Workload, rounds: int, engine: str = "local", vectorise: bool | str = "auto",
-                    checkpoint: bool = False, seed: int = 0) -> C.ExperimentConfig:
+                    checkpoint: bool = False, seed: int = 0, device: str = "cpu") -> C.ExperimentConfig:
     """The fedsim experiment of workload ``w`` (also the single source of the raw/stock settings)."""
     if w.model == "mlp":
         data = ["data.name=synthetic", f"data.params.n_samples={PER_CLIENT * w.num_clients}",
@@ -162,7 +164,7 @@ def workload_config(w: Workload, rounds: int, engine: str = "local", vectorise: 
         "client.learner=supervised", "client.optimizer=sgd", "client.momentum=0.9",
         "client.weight_decay=0.0", "client.batch_size=16", "client.local_epochs=1",
         "strategy.name=fedavg", "strategy.fraction_train=1.0", "strategy.fraction_evaluate=0.0",
-        "evaluation.server=true", "engine.threads_per_client=1",
+        "evaluation.server=true", "engine.threads_per_client=1", f"engine.device={device}",
         f"engine.vectorise={str(vectorise).lower()}", f"engine.checkpoint={str(checkpoint).lower()}",
         "tracking.enabled=false",
     ]
@@ -253,14 +255,15 @@ class Outcome:
 def run_raw(cfg: C.ExperimentConfig) -> Outcome:
     """FedAvg as a plain PyTorch loop: the lower bound on what any engine can take."""
     data = federated_data(cfg)  # built before timing (see warm_up)
+    device = resolve_device(cfg.engine.device)  # on a GPU: model, state and data live there, as in fedsim
     before = torch.get_num_threads()
     torch.set_num_threads(cfg.engine.threads_per_client)
     try:
         t0 = time.perf_counter()
-        model = build_initial_model(cfg, data.input_shape, data.num_classes)
+        model = build_initial_model(cfg, data.input_shape, data.num_classes).to(device)
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        clients = [data.train[pid].to_tensors() for pid in range(cfg.num_clients)]
-        xt, yt = data.server_test.to_tensors()
+        clients = [tuple(t.to(device) for t in data.train[pid].to_tensors()) for pid in range(cfg.num_clients)]
+        xt, yt = (t.to(device) for t in data.server_test.to_tensors())
         total = float(sum(len(y) for _, y in clients))
         factors = [len(y) / total for _, y in clients]
         eval_bs = cfg.evaluation.batch_size
@@ -285,7 +288,7 @@ def run_raw(cfg: C.ExperimentConfig) -> Outcome:
         end = time.perf_counter()
     finally:
         torch.set_num_threads(before)
-    return Outcome(end - t0, ends, accuracy, state)
+    return Outcome(end - t0, ends, accuracy, {k: v.cpu() for k, v in state.items()})
 
 
 # --------------------------------------------------------------------------------- stock Flower
@@ -408,10 +411,10 @@ class NotAvailable(Exception):
     """The system cannot be measured (not built yet, or it fell back to another engine)."""
 
 
-def fedsim_config(w: Workload, system: str, rounds: int, checkpoint: bool) -> C.ExperimentConfig:
+def fedsim_config(w: Workload, system: str, rounds: int, checkpoint: bool, device: str = "cpu") -> C.ExperimentConfig:
     engine = {"local": "local", "sequential": "local", "vectorise": "local", "ray": "ray", "fedsim-flower": "flower"}[system]
     vectorise = {"sequential": False, "vectorise": True}.get(system, "auto")
-    return workload_config(w, rounds, engine=engine, vectorise=vectorise, checkpoint=checkpoint)
+    return workload_config(w, rounds, engine=engine, vectorise=vectorise, checkpoint=checkpoint, device=device)
 
 
 def run_fedsim(cfg: C.ExperimentConfig, system: str) -> Outcome:
@@ -544,20 +547,20 @@ def median_ci(values: list[float], level: float = 0.95) -> tuple[float, float, f
     return xs[k - 1], xs[n - k], coverage(k)
 
 
-def warm_up(w: Workload) -> None:
-    """Build the in-process data, and run 1 untimed round of raw and fedsim local (imports, kernels)."""
+def warm_up(w: Workload, device: str = "cpu") -> None:
+    """Build the in-process data, and run 1 untimed round of raw and fedsim local (imports, kernels, CUDA)."""
     from fedsim.runner import run_experiment
 
-    cfg = workload_config(w, rounds=1)
+    cfg = workload_config(w, rounds=1, device=device)
     federated_data(cfg)
-    run_experiment(workload_config(w, rounds=1, vectorise=False))
+    run_experiment(workload_config(w, rounds=1, vectorise=False, device=device))
     run_raw(cfg)
     run_experiment(cfg)
 
 
 def run_benchmark(workloads: list[str], systems: list[str], rounds: int = 3, repeat: int = 1,
                   checkpoint: bool = False, stock_flower_at_1000: bool = True, measure_ray_start: bool = False,
-                  log: Callable[[str], None] = lambda s: None) -> Report:
+                  log: Callable[[str], None] = lambda s: None, device: str = "cpu") -> Report:
     """Measure every (workload, system); never raises for a failing system (its row is n/a)."""
     quiet_third_party(False)
     warnings.filterwarnings("ignore")
@@ -566,7 +569,7 @@ def run_benchmark(workloads: list[str], systems: list[str], rounds: int = 3, rep
     for wname in workloads:
         w = get_workload(wname)
         try:
-            base = workload_config(w, rounds)
+            base = workload_config(w, rounds, device=device)
             federated_data(base)  # in-process data, outside every timing
         except Exception as exc:  # noqa: BLE001 - e.g. more clients than examples
             reason = f"n/a (workload: {_one_line(exc)})"
@@ -576,7 +579,7 @@ def run_benchmark(workloads: list[str], systems: list[str], rounds: int = 3, rep
         if not warmed and any(s in IN_PROCESS_SYSTEMS for s in systems):
             warmed = True
             try:
-                warm_up(w)
+                warm_up(w, device)
             except Exception as exc:  # noqa: BLE001 - the failing system shows up as n/a below
                 log(f"warm-up failed: {_one_line(exc)}")
         results: dict[str, Row] = {}
@@ -584,7 +587,8 @@ def run_benchmark(workloads: list[str], systems: list[str], rounds: int = 3, rep
         interleaved = [s for s in SYSTEMS if s in systems and s in IN_PROCESS_SYSTEMS]
         if interleaved:
             log(f"{wname}: {', '.join(SYSTEMS[s] for s in interleaved)}, interleaved, {repeat} repeat(s) ...")
-        measured = measure_interleaved({s: _in_process_run(w, s, base, rounds, checkpoint) for s in interleaved},
+        measured = measure_interleaved({s: _in_process_run(w, s, base, rounds, checkpoint, device)
+                                        for s in interleaved},
                                        repeat, log=lambda s: log(f"{wname}: {s}"))
         for system in SYSTEMS:
             if system not in systems:
@@ -613,7 +617,7 @@ def run_benchmark(workloads: list[str], systems: list[str], rounds: int = 3, rep
                 if system == "flower":
                     out = measure(lambda: run_stock_flower(base), repeat)
                 else:
-                    cfg = fedsim_config(w, system, rounds, checkpoint)
+                    cfg = fedsim_config(w, system, rounds, checkpoint, device)
                     out = measure(lambda: run_fedsim(cfg, system), repeat)
                 row.total_s, row.rounds_s, row.later_round_s = out.total_s, out.rounds_s, out.later_round_s
                 row.accuracy, row.note = out.accuracy, out.note
@@ -635,10 +639,10 @@ def run_benchmark(workloads: list[str], systems: list[str], rounds: int = 3, rep
 
 
 def _in_process_run(w: Workload, system: str, base: C.ExperimentConfig, rounds: int,
-                    checkpoint: bool) -> Callable[[], Outcome]:
+                    checkpoint: bool, device: str = "cpu") -> Callable[[], Outcome]:
     if system == "raw":
         return lambda: run_raw(base)
-    cfg = fedsim_config(w, system, rounds, checkpoint)
+    cfg = fedsim_config(w, system, rounds, checkpoint, device)
     return lambda: run_fedsim(cfg, system)
 
 
@@ -829,6 +833,9 @@ def main(argv: list[str] | None = None) -> Report:
                     help="runs per system (in-process systems interleaved); ratios: median of paired runs with a CI")
     ap.add_argument("--checkpoint", action="store_true", help="keep fedsim's per-round checkpoint on (default off)")
     ap.add_argument("--csv", type=Path, default=None, help="also write the rows to this CSV file")
+    ap.add_argument("--device", default="cpu",
+                    help="engine.device of the fedsim systems, and where the raw loop keeps model and data "
+                         "(cpu, cuda, cuda:N); a GPU measures the in-process systems only")
     args = ap.parse_args(argv)
     workloads = [s.strip() for s in args.workloads.split(",") if s.strip()] if args.workloads else (
         list(QUICK_WORKLOADS) if args.quick else list(WORKLOADS))
@@ -838,15 +845,27 @@ def main(argv: list[str] | None = None) -> Report:
         except ValueError as exc:
             raise SystemExit(str(exc)) from None
     systems = _names(args.systems, SYSTEMS, "system") if args.systems else list(SYSTEMS)
+    try:
+        check_device_name(args.device)
+        resolve_device(args.device)  # a one-line error where there is no such GPU
+    except ConfigError as exc:
+        raise SystemExit(str(exc)) from None
+    if args.device != "cpu":
+        outside = [s for s in systems if s not in IN_PROCESS_SYSTEMS]
+        if args.systems and outside:
+            raise SystemExit(f"--device {args.device} measures the in-process systems only; drop "
+                             f"{', '.join(outside)} from --systems")
+        systems = [s for s in systems if s in IN_PROCESS_SYSTEMS]
     rounds = args.rounds or (1 if args.quick else 3)
     if rounds < 1 or args.repeat < 1:
         raise SystemExit("--rounds and --repeat must be >= 1")
-    print(f"torch {torch.__version__}, os.cpu_count()={os.cpu_count()}, rounds {rounds}, repeat {args.repeat}, "
-          f"workloads {', '.join(workloads)}", flush=True)
+    gpu = f", {torch.cuda.get_device_name(resolve_device(args.device))}" if args.device != "cpu" else ""
+    print(f"torch {torch.__version__}, os.cpu_count()={os.cpu_count()}, device {args.device}{gpu}, rounds {rounds}, "
+          f"repeat {args.repeat}, workloads {', '.join(workloads)}", flush=True)
     start = time.perf_counter()
     report = run_benchmark(workloads, systems, rounds, args.repeat, args.checkpoint,
                            stock_flower_at_1000=not args.quick, measure_ray_start=not args.quick,
-                           log=lambda s: print(s, flush=True))
+                           log=lambda s: print(s, flush=True), device=args.device)
     print_report(report)
     if args.csv:
         write_csv(report, args.csv)

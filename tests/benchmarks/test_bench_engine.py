@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -146,3 +147,22 @@ def test_a_ratio_target_is_met_only_outside_the_noise(bench) -> None:
     assert bench._ratio_target(row(1.15, (1.11, 1.19, 0.94)), 1.10)[1] == "NOT met"
     assert bench._ratio_target(row(1.05, None, runs=1), 1.10) == ("1.05 (1 run(s), no interval)", "met")
     assert bench._ratio_target(None, 1.10) == ("n/a", "not measured")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message where no GPU is visible")
+@pytest.mark.parametrize("device, message", [
+    ("cuda", "engine.device=cuda but the CPU build of torch sees no CUDA GPU"),
+    ("gpu", "engine.device must be cpu, auto, cuda or cuda:N, got 'gpu'"),
+])
+def test_a_device_that_is_not_there_is_a_one_line_error(bench, device, message) -> None:
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--device", device, "--quick"])
+    assert str(exc.value).startswith(message) and "\n" not in str(exc.value)
+
+
+def test_the_device_reaches_every_fedsim_system_and_the_raw_loop(bench, tiny) -> None:
+    w = bench.get_workload(tiny)
+    assert bench.workload_config(w, rounds=1, device="cuda:1").engine.device == "cuda:1"
+    for system in ("local", "sequential", "vectorise"):
+        assert bench.fedsim_config(w, system, 1, False, "cuda:1").engine.device == "cuda:1"
+    assert bench.workload_config(w, rounds=1).engine.device == "cpu"

