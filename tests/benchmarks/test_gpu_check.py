@@ -84,3 +84,14 @@ def test_minilm_travels_at_half_size_and_comes_back_as_float32(gpu_minilm, tmp_p
 def test_unpack_without_a_pack_says_what_to_run(gpu_minilm, tmp_path) -> None:
     with pytest.raises(SystemExit, match="gpu_minilm.py pack"):
         gpu_minilm.unpack(tmp_path / "nothing", tmp_path / "site")
+
+
+def test_the_image_emulation_hides_what_the_image_lacks_unless_carried() -> None:
+    probe = ("import importlib.util as u; print(u.find_spec('mlflow') is None, u.find_spec('torch') is not None, "
+             "u.find_spec('flwr') is None)")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "benchmarks" / "emulate_image")}
+    plain = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
+    assert plain.stdout.split() == ["True", "True", "True"], plain.stderr
+    carried = subprocess.run([sys.executable, "-c", probe], env={**env, "CARRIED": "flwr"}, capture_output=True,
+                             text=True, timeout=60)
+    assert carried.stdout.split() == ["True", "True", "False"], carried.stderr
