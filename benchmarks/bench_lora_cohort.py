@@ -1,6 +1,7 @@
 """LoRA cohorts (``clients/lora_cohort.py``) against one client at a time, in one run.
 
-The workload is FedSVD's client round without DP-SGD (``experiments/fedsvd.yaml``: MiniLM-L6 with LoRA
+The workload is FedSVD's client round without DP-SGD (``--dp``: with it, Opacus client by client
+against the DP cohort) (``experiments/fedsvd.yaml``: MiniLM-L6 with LoRA
 on query/value, the head trained, SGD lr 0.5, batch 64 of 32-token texts), for cohorts of several
 sizes.  For each size it times ``SupervisedLearner.train`` client after client (``sequential``) and
 ``train_lora_cohort`` on the same arrays and contexts (``cohort``: one stacked base per step), each the
@@ -103,20 +104,22 @@ def register_random_setting() -> None:
 
 
 def measure(clients: int, steps: int, batch: int, max_len: int, device: str, threads: int,
-            repeat: int, random_encoder: bool = False) -> dict[str, float]:
+            repeat: int, random_encoder: bool = False, dp: bool = False) -> dict[str, float]:
     setting = [f"data.name={RANDOM_DATA}", f"model.name={RANDOM_MODEL}"] if random_encoder else []
     cfg = C.load_config("fedsvd", [*setting, f"num_clients={clients}", "tracking.enabled=false",
-                                   "privacy.enabled=false", f"data.params.max_len={max_len}",
+                                   f"privacy.enabled={str(dp).lower()}", f"data.params.max_len={max_len}",
                                    f"client.batch_size={batch}", f"client.local_steps={steps}",
                                    f"engine.device={device}", f"engine.threads_per_client={threads}"], {})
     learner = SupervisedLearner(cfg, SupervisedParams())
     arrays = learner.init_arrays()
-    ctxs = [NodeContext(partition_id=p, num_partitions=clients, server_round=1, root_seed=0,
-                        config={"server-round": 1, LORA_TRAIN_A: False}) for p in range(clients)]
+    def ctxs() -> list[NodeContext]:  # fresh ones per run: a DP-SGD round records its steps in its context
+        return [NodeContext(partition_id=p, num_partitions=clients, server_round=1, root_seed=0,
+                            config={"server-round": 1, LORA_TRAIN_A: False}) for p in range(clients)]
+
     dev = learner.device
     with torch_threads(threads):  # as the local engine runs both paths
-        seq_s, seq = _timed(lambda: [learner.train(arrays, c) for c in ctxs], repeat, dev)
-        coh_s, coh = _timed(lambda: train_lora_cohort(learner, [arrays] * clients, ctxs, 256), repeat, dev)
+        seq_s, seq = _timed(lambda: [learner.train(arrays, c) for c in ctxs()], repeat, dev)
+        coh_s, coh = _timed(lambda: train_lora_cohort(learner, [arrays] * clients, ctxs(), 256), repeat, dev)
     gap = max(float((a.arrays[k] - b.arrays[k]).abs().max())  # type: ignore[attr-defined]
               for a, b in zip(seq, coh) for k in a.arrays)  # type: ignore[attr-defined]
     return {"sequential_s": seq_s, "cohort_s": coh_s, "speedup": seq_s / coh_s, "max_dw": gap}
@@ -131,6 +134,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cpu", help="engine.device: cpu or cuda")
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads (engine.threads_per_client)")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--dp", action="store_true",
+                    help="under FedSVD's DP-SGD (eps 3): Opacus client by client vs the DP cohort")
     ap.add_argument("--random-encoder", action="store_true",
                     help="a random MiniLM-shaped BERT and random token ids (no MiniLM wheel needed)")
     args = ap.parse_args(argv)
@@ -148,11 +153,12 @@ def main(argv: list[str] | None = None) -> None:
             print(f"bench_lora_cohort: skipped, --random-encoder needs transformers ({exc})")
             return
     print(f"torch {torch.__version__}, device {args.device}, {args.threads} thread(s), batch {args.batch_size} x "
-          f"{args.max_len} tokens, {args.steps} step(s), median of {args.repeat}", flush=True)
+          f"{args.max_len} tokens, {args.steps} step(s), median of {args.repeat}"
+          + (", DP-SGD (eps 3, Poisson batches)" if args.dp else ""), flush=True)
     print(f"{'clients':>7}  {'sequential s':>12}  {'cohort s':>9}  {'seq/cohort':>10}  {'max |dw|':>9}")
     for n in sizes:
         r = measure(n, args.steps, args.batch_size, args.max_len, args.device, args.threads, args.repeat,
-                    args.random_encoder)
+                    args.random_encoder, args.dp)
         print(f"{n:>7}  {r['sequential_s']:>12.3f}  {r['cohort_s']:>9.3f}  {r['speedup']:>9.2f}x  {r['max_dw']:>9.1e}",
               flush=True)
 

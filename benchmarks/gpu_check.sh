@@ -21,7 +21,8 @@
 #   6. `fedsim run fedavg` (MNIST CNN, 5 rounds) wall time, engine.device=cuda vs cpu;
 #   7. LoRA cohorts (one shared base per step) vs LoRA clients one by one, on a random MiniLM-shaped BERT
 #      (bench_lora_cohort.py --random-encoder: skipped, exit 0, where the image has no transformers);
-#   8. a longer FedSVD horizon on the GPU (30 rounds at eps 3).
+#   8. the same under DP-SGD: Opacus client by client vs DP LoRA cohorts (--dp);
+#   9. a longer FedSVD horizon on the GPU (30 rounds at eps 3).
 # MiniLM's 87 MB of weights are more than a device call carries (64 MiB): `make gpu-wheels` packs them
 # at float16 (benchmarks/gpu_minilm.py) and this script restores them to float32 before step 5, so
 # steps 5 and 8 time the real model with weights rounded to float16 (accuracy figures are not MiniLM's).
@@ -33,7 +34,7 @@ OUT=${OUT:-gpu-check-out}
 STEP_SCALE=${STEP_SCALE:-1}
 DEV=${GPU_CHECK_DEVICE:-cuda}
 export PYTHONUNBUFFERED=1
-KNOWN_STEPS="svd_kernel engine_vs_raw cohorts dp_cohorts fedsvd_eps3 fedavg_device fedavg_cpu lora_cohorts fedsvd_eps3_30_rounds"
+KNOWN_STEPS="svd_kernel engine_vs_raw cohorts dp_cohorts fedsvd_eps3 fedavg_device fedavg_cpu lora_cohorts dp_lora_cohorts fedsvd_eps3_30_rounds"
 for s in ${STEPS:+${STEPS//,/ }}; do
   case " $KNOWN_STEPS " in *" $s "*) ;; *) echo "gpu_check: unknown step '$s' in STEPS; known: ${KNOWN_STEPS// /, }" >&2; exit 2;; esac
 done
@@ -89,6 +90,7 @@ step fedsvd_eps3 120 $PY -m fedsim run fedsvd --eps 3 --no-tracking engine.devic
 step fedavg_device 60 $PY -m fedsim run fedavg --rounds 5 --no-tracking engine.device="$DEV"
 step fedavg_cpu 60 $PY -m fedsim run fedavg --rounds 5 --no-tracking engine.device=cpu
 step lora_cohorts 90 $PY benchmarks/bench_lora_cohort.py --random-encoder --device "$DEV" --clients 3,8 --repeat 3
+step dp_lora_cohorts 90 $PY benchmarks/bench_lora_cohort.py --random-encoder --dp --device "$DEV" --clients 3,6 --repeat 2
 step fedsvd_eps3_30_rounds 150 $PY -m fedsim run fedsvd --eps 3 --rounds 30 --no-tracking engine.device="$DEV"
 echo
 echo "gpu_check: $failed step(s) failed; log and CSVs in $OUT/"

@@ -296,7 +296,8 @@ class SupervisedLearner(Learner):
         # a fresh optimiser each round, as in FedAvg (Opacus wraps the DP one, so that one is built anew;
         # the plain one is reused with its state cleared, which is what a new one holds)
         if self.sample_level_dp:
-            mean_loss, steps, extra = self._train_private(model, x, y, ctx, make_optimizer(model, self.cfg))
+            with self._client_draws(model, ctx):
+                mean_loss, steps, extra = self._train_private(model, x, y, ctx, make_optimizer(model, self.cfg))
         else:
             optimizer = self._fresh_optimiser(model)
             with self._client_draws(model, ctx):

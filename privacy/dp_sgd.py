@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from opacus import PrivacyEngine
@@ -99,6 +99,16 @@ def model_device(model: nn.Module) -> torch.device:
     return next((p.device for p in model.parameters()), torch.device("cpu"))
 
 
+def _no_examples(optimizer: Any) -> None:
+    """The per-sample gradients of an empty batch (zero rows each), what a forward on zero rows leaves.
+
+    Opacus runs the step of an empty logical batch as any other (clip nothing, add the noise, divide by
+    the expected batch size); the forward is skipped because not every model takes zero rows (Hugging
+    Face encoders reshape ``[0, heads, -1, dim]`` and fail)."""
+    for p in optimizer.params:
+        p.grad_sample = p.new_zeros((0, *p.shape))
+
+
 def _run(model: nn.Module, optimizer: torch.optim.Optimizer, data: tuple[torch.Tensor, ...],
          privacy: PrivacyConfig, batch_size: int, steps: int, noise_multiplier: float, batch_seed: int,
          noise_seed: int, loss_module: nn.Module, loss_fn: Optional[LossFn]) -> DPRoundResult:
@@ -124,10 +134,13 @@ def _run(model: nn.Module, optimizer: torch.optim.Optimizer, data: tuple[torch.T
                 for batch in physical:
                     batch = [t.to(device) for t in batch]  # Opacus builds an empty batch on the CPU
                     dp_opt.zero_grad(set_to_none=True)
-                    loss = loss_fn(module, batch) if loss_fn is not None else criterion(module(batch[0]), batch[1])
-                    loss.backward()
-                    dp_opt.step()
                     n = len(batch[0])
+                    if n == 0 and privacy.grad_sample_mode != "ghost":
+                        _no_examples(dp_opt)  # an empty Poisson batch: no forward, Opacus steps on noise alone
+                    else:
+                        loss = loss_fn(module, batch) if loss_fn is not None else criterion(module(batch[0]), batch[1])
+                        loss.backward()
+                    dp_opt.step()
                     seen += n
                     if n:
                         loss_sum += float(loss.detach().item()) * n

@@ -36,10 +36,12 @@ def registries():
         registry._entries.update(entries)
 
 
-def test_random_encoder_setting_times_both_paths_and_they_agree(bench, registries) -> None:
+@pytest.mark.parametrize("dp", [False, True])
+def test_random_encoder_setting_times_both_paths_and_they_agree(bench, registries, dp) -> None:
     bench.register_random_setting()
     bench.register_random_setting()  # idempotent
-    r = bench.measure(clients=2, steps=1, batch=4, max_len=8, device="cpu", threads=1, repeat=1, random_encoder=True)
+    r = bench.measure(clients=2, steps=1, batch=4, max_len=8, device="cpu", threads=1, repeat=1, random_encoder=True,
+                      dp=dp)  # repeat 1 runs each path twice (warm-up): fresh privacy contexts each time
     assert r["sequential_s"] > 0 and r["cohort_s"] > 0
     assert r["speedup"] == pytest.approx(r["sequential_s"] / r["cohort_s"])
     assert r["max_dw"] <= 1e-5  # the cohort is the sequential round (dropout masks included)

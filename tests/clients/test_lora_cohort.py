@@ -5,11 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from clients.lora_cohort import LORA_CHUNK_TOKENS, lora_cohort_refusal, own_keys, train_lora_cohort
+from clients.lora_cohort import (LORA_CHUNK_TOKENS, lora_cohort_refusal, own_keys, physical_batches,
+                                 train_lora_cohort)
 from clients.supervised import SupervisedLearner, SupervisedParams
 from fedsim import config as C
 from fedsim.contracts.learner import NodeContext, StateDict, TrainResult
 from fedsim.contracts.wire import LORA_TRAIN_A, PROXIMAL_MU
+from privacy.facade import CLIENT_EPSILON
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -103,7 +105,12 @@ def test_refusals() -> None:
     mixed[1] = NodeContext(partition_id=0, num_partitions=N, server_round=2, root_seed=0, config={LORA_TRAIN_A: False})
     assert lora_cohort_refusal(lrn, mixed, auto=False) == "the clients train different LoRA factors"
     dp = learner("privacy.enabled=true")
-    assert "DP-SGD" in lora_cohort_refusal(dp, cohort, auto=False)
+    assert lora_cohort_refusal(dp, cohort, auto=False) is None
+    assert lora_cohort_refusal(dp, cohort, auto=True) is None  # physical batches of ~4 x 12 positions
+    big_dp = learner("privacy.enabled=true", "client.batch_size=64", "data.params.max_len=32")
+    assert "2048 token positions is past the 256" in lora_cohort_refusal(big_dp, cohort, auto=True)
+    ghost = learner("privacy.enabled=true", "privacy.grad_sample_mode=ghost")
+    assert "ghost clipping" in lora_cohort_refusal(ghost, cohort, auto=False)
     arrays = client_arrays(lrn, distinct=False)
     base_key = next(k for k in arrays[0] if k not in set(own_keys(lrn.model)))
     other = [dict(a) for a in arrays]
@@ -138,3 +145,78 @@ def test_the_cohorts_draws_are_pytorchs_on_cpu(monkeypatch) -> None:
     together = train_lora_cohort(lrn, arrays, cohort, 8)
     for m, t in zip(through_mode, together):
         assert max(float((m.arrays[k] - t.arrays[k]).abs().max()) for k in m.arrays) <= ATOL
+
+
+# -- DP-SGD ------------------------------------------------------------------------------------------
+
+def dp_learner(*overrides: str) -> SupervisedLearner:
+    """FedSVD's DP-SGD at a small scale: Poisson batches of ~4 split into physical batches of at most 2."""
+    return learner("privacy.enabled=true", "privacy.epsilon=8", "privacy.max_physical_batch_size=2", *overrides)
+
+
+def test_a_dp_lora_cohort_is_opacus_round_client_by_client() -> None:
+    """Each client's Opacus round (Poisson batches, physical pieces, per-example clipping, its own noise,
+    the ledger) from the same seeds; fresh contexts for each path, since a round records its steps in them."""
+    lrn = dp_learner("model.params.dropout=0.05")
+    arrays = client_arrays(lrn, distinct=True)
+    seq = [lrn.train(a, c) for a, c in zip(arrays, ctxs({LORA_TRAIN_A: False}))]
+    after_seq = torch.random.get_rng_state()
+    together = train_lora_cohort(lrn, arrays, ctxs({LORA_TRAIN_A: False}), 8)
+    for s, t in zip(seq, together):
+        assert t.num_examples == s.num_examples and list(t.metrics) == list(s.metrics)
+        assert CLIENT_EPSILON in s.metrics and s.metrics["local_steps"] >= 3
+        for k in s.metrics:
+            assert t.metrics[k] == pytest.approx(s.metrics[k], rel=1e-5, abs=1e-6), k
+        assert list(t.arrays) == list(s.arrays)
+        for k in s.arrays:
+            assert float((t.arrays[k] - s.arrays[k]).abs().max()) <= ATOL, k
+            assert float((s.arrays[k] - arrays[0][k]).abs().max()) > 10 * ATOL  # it trained
+    assert torch.equal(torch.random.get_rng_state(), after_seq)
+
+
+def test_dp_noise_or_batches_from_other_seeds_would_show(monkeypatch) -> None:
+    import clients.lora_cohort as lora_cohort
+
+    lrn = dp_learner()
+    arrays = client_arrays(lrn, distinct=False)
+    seq = [lrn.train(a, c) for a, c in zip(arrays, ctxs({LORA_TRAIN_A: False}))]
+    real = lora_cohort.round_seeds
+    for swap in (lambda b, n: (b, n + 1), lambda b, n: (b + 1, n)):  # other noise, other Poisson batches
+        monkeypatch.setattr(lora_cohort, "round_seeds", lambda ctx, swap=swap: swap(*real(ctx)))
+        together = train_lora_cohort(lrn, arrays, ctxs({LORA_TRAIN_A: False}), 8)
+        gaps = [max(float((t.arrays[k] - s.arrays[k]).abs().max()) for k in s.arrays) for s, t in zip(seq, together)]
+        assert min(gaps) > 100 * ATOL
+
+
+@pytest.mark.parametrize("m, most", [(1, 2), (5, 2), (7, 3), (64, 64), (65, 64), (130, 64)])
+def test_physical_batches_are_opacus_batch_splitting(m, most) -> None:
+    import math
+
+    import numpy as np
+
+    mask = torch.zeros(200, dtype=torch.bool)
+    mask[torch.randperm(200, generator=torch.Generator().manual_seed(m))[:m]] = True
+    ascending = mask.nonzero().view(-1).tolist()
+    opacus = [s.tolist() for s in np.array_split(ascending, math.ceil(m / most))]  # BatchSplittingSampler
+    assert [p.tolist() for p in physical_batches(mask, most)] == opacus
+    assert physical_batches(torch.zeros(5, dtype=torch.bool), most) == []
+
+
+def test_empty_poisson_batches_step_on_noise_alone_in_both_paths() -> None:
+    """Batches of 1 in ~500 examples: many logical batches are empty.  The sequential path runs no forward
+    on them (MiniLM cannot take zero rows) and both step on the noise alone."""
+    from privacy.cohort import poisson_masks
+    from privacy.facade import round_seeds
+
+    lrn = dp_learner("client.batch_size=1")
+    cohort = ctxs({LORA_TRAIN_A: False})
+    steps = [lrn.dp.begin_round(c, len(lrn.data.client_train(c.partition_id, 2).y)).steps_per_round for c in cohort]
+    empty = [int((poisson_masks(len(lrn.data.client_train(c.partition_id, 2).y), 1, s, round_seeds(c)[0]).sum(1) == 0)
+                 .sum()) for c, s in zip(cohort, steps)]
+    assert sum(empty) >= 3, empty
+    arrays = client_arrays(lrn, distinct=False)
+    seq = [lrn.train(a, c) for a, c in zip(arrays, cohort)]
+    together = train_lora_cohort(lrn, arrays, ctxs({LORA_TRAIN_A: False}), 8)
+    for s, t in zip(seq, together):
+        assert t.metrics == pytest.approx(s.metrics, rel=1e-5, abs=1e-6)
+        assert max(float((t.arrays[k] - s.arrays[k]).abs().max()) for k in s.arrays) <= ATOL

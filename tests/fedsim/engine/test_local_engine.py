@@ -196,9 +196,11 @@ def test_direct_learner_calls_answer_as_the_client_app_does() -> None:
     assert [len(a) for a in direct] == [3] * 5 and "injected failure" in direct[1][2] and "KeyError" in direct[2][2]
 
 
-def test_a_vectorised_lora_round_is_the_sequential_round(monkeypatch) -> None:
+@pytest.mark.parametrize("privacy", ["privacy.enabled=false", "privacy.enabled=true"])
+def test_a_vectorised_lora_round_is_the_sequential_round(monkeypatch, privacy) -> None:
     """engine.vectorise=true trains a FedSVD round's MiniLM clients on one stacked base (clients.lora_cohort):
-    the same history and global adapters as one client at a time, to float tolerance."""
+    the same history (the privacy ledger included) and global adapters as one client at a time (Opacus
+    under DP-SGD), to float tolerance."""
     import clients.lora_cohort as lora_cohort
 
     calls: list[int] = []
@@ -209,7 +211,7 @@ def test_a_vectorised_lora_round_is_the_sequential_round(monkeypatch) -> None:
         return original(learner, arrays_list, ctxs, chunk)
 
     monkeypatch.setattr(lora_cohort, "train_lora_cohort", spy)
-    flags = ["privacy.enabled=false", "strategy.fraction_train=1.0", "data.params.max_len=12", "client.batch_size=4",
+    flags = [privacy, "strategy.fraction_train=1.0", "data.params.max_len=12", "client.batch_size=4",
              "client.local_steps=2", "evaluation.server=false", "engine.threads_per_client=1"]
     runs = {mode: run_experiment(small("fedsvd", *flags, f"engine.vectorise={mode}", rounds=2, clients=3))
             for mode in ("false", "true")}
@@ -219,7 +221,7 @@ def test_a_vectorised_lora_round_is_the_sequential_round(monkeypatch) -> None:
     for a, b in zip(seq.history.as_rows(), together.history.as_rows()):
         assert a.keys() == b.keys()
         for k, v in a.items():
-            if isinstance(v, float) and k.startswith(("train/", "eval/")):
+            if isinstance(v, float) and k.startswith(("train/", "eval/", "privacy/")):
                 assert b[k] == pytest.approx(v, rel=1e-4, abs=1e-5), k
                 compared += 1
     assert compared >= 2  # the clients' mean train loss of both rounds at least
