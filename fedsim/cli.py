@@ -148,7 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="ASHA: keep the top 1/F of the trials at each rung (default 4)")
     sw.add_argument("--address", help="an existing Ray cluster (e.g. auto); default: $RAY_ADDRESS or a local runtime")
     sw.add_argument("--cpus-per-trial", type=_finite_float, help="CPUs each trial reserves (and its torch threads)")
-    sw.add_argument("--max-concurrent", type=_positive_int, help="at most this many trials at once (default: as CPUs allow)")
+    sw.add_argument("--gpus-per-trial", type=_finite_float,
+                    help="GPUs each trial reserves (default 0; 0.5 puts two trials on a GPU); its trials run on "
+                         "engine.device=cuda, the GPU Ray gives them")
+    sw.add_argument("--max-concurrent", type=_positive_int,
+                    help="at most this many trials at once (default: as CPUs and GPUs allow)")
     sw.add_argument("--tracking-uri", help="MLflow tracking URI")
     sw.add_argument("--resume", metavar="PARENT_RUN_ID", type=_run_id,
                     help="continue an interrupted sweep: finished trials are read back, the rest run")
@@ -423,7 +427,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from fedsim.sweep import load_sweep, run_sweep
 
     name, spec = load_sweep(args.sweep, grid=args.grid, seeds=args.seeds, overrides=args.overrides,
-                            cpus_per_trial=args.cpus_per_trial, max_concurrent=args.max_concurrent,
+                            cpus_per_trial=args.cpus_per_trial, gpus_per_trial=args.gpus_per_trial,
+                            max_concurrent=args.max_concurrent,
                             search=args.search, samples=args.samples, search_seed=args.search_seed,
                             asha=args.asha, asha_mode=args.asha_mode, grace_period=args.grace_period,
                             reduction_factor=args.reduction_factor)
@@ -434,8 +439,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     asha = (f", ASHA on {spec.asha.metric} ({spec.asha.mode}, grace {spec.asha.grace_period}, "
             f"reduction {spec.asha.reduction_factor:g})" if spec.asha else "")
     grid = f", grid {dict(spec.grid)}" if spec.grid or not spec.samples else ""
+    gpus = f" and {spec.gpus_per_trial:g} GPU(s)" if spec.gpus_per_trial > 0 else ""
     console.print(f"[bold]sweep {name}[/bold]: {spec.experiment}{grid}{search}{asha}, "
-                  f"{len(spec.seeds)} seeds, {spec.cpus_per_trial:g} CPU(s) per trial", highlight=False)
+                  f"{len(spec.seeds)} seeds, {spec.cpus_per_trial:g} CPU(s){gpus} per trial", highlight=False)
     with console.status("starting Ray ...") as status:
         results, parent, progress = run_sweep(
             name, spec, tracking_uri=args.tracking_uri, address=args.address, resume_parent=args.resume,

@@ -2,16 +2,18 @@
 
 ``fedsim sweep fedsvd --grid eps=1,3,6 strategy=fedsvd,ffa_lora --seeds 3`` or a sweep file
 ``experiments/sweeps/<name>.yaml`` (the claim-spec keys of :mod:`fedsim.reproduce` plus
-``cpus_per_trial`` and ``max_concurrent``).  Every (configuration, seed) is one Ray Tune trial; a
-trial runs the experiment with fedsim's in-process ``local`` engine (never Flower's Ray backend or
-fedsim's Ray actor pool inside a Ray trial: nested Ray runtimes are a known cause of out-of-memory
-failures) and logs one MLflow child run under the sweep's parent run.
+``cpus_per_trial``, ``gpus_per_trial`` and ``max_concurrent``).  Every (configuration, seed) is one
+Ray Tune trial; a trial runs the experiment with fedsim's in-process ``local`` engine (never Flower's
+Ray backend or fedsim's Ray actor pool inside a Ray trial: nested Ray runtimes are a known cause of
+out-of-memory failures) and logs one MLflow child run under the sweep's parent run.
 
 * **Where it runs:** a local Ray runtime by default; an existing cluster with ``--address auto`` or
   ``RAY_ADDRESS``, unchanged (the cluster's workers need fedsim installed and the tracking store
   reachable, e.g. an MLflow server URI instead of a local sqlite file).
 * **Resources:** each trial reserves ``cpus_per_trial`` CPUs (Ray schedules as many at once as fit,
-  capped by ``max_concurrent``) and runs its clients with that many torch threads.
+  capped by ``max_concurrent``) and runs its clients with that many torch threads; with
+  ``gpus_per_trial`` > 0 it also reserves that many GPUs (0.5: two trials share a GPU) and runs on
+  ``engine.device=cuda``, the GPU(s) Ray gives it (Ray sets ``CUDA_VISIBLE_DEVICES`` per trial).
 * **Failures:** a failed trial is reported (its child run ends FAILED) and the others go on.
 * **Resume:** ``--resume PARENT_RUN_ID`` reads back the children that finished and runs the rest
   (the MLflow parent is the ledger, as for claim checks); a child left RUNNING by a killed sweep is
@@ -41,7 +43,7 @@ import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -64,6 +66,7 @@ from fedsim.reproduce import (
 
 SWEEPS_DIR = C.EXPERIMENTS_DIR / "sweeps"
 MAX_CPUS_PER_TRIAL = 1024
+MAX_GPUS_PER_TRIAL = 8
 
 
 @dataclass
@@ -81,7 +84,8 @@ class SweepSpec(ClaimSpec):
     """A claim spec plus the trials' resources, an optional random search and ASHA."""
 
     cpus_per_trial: float = 1.0
-    max_concurrent: int = 0  # 0: as many trials at once as the CPUs allow
+    gpus_per_trial: float = 0.0  # 0: CPU trials; 0.5: two trials share a GPU (engine.device=cuda)
+    max_concurrent: int = 0  # 0: as many trials at once as the CPUs (and GPUs) allow
     search: dict[str, str] = field(default_factory=dict)  # key -> "loguniform(0.01, 1)" ...
     samples: int = 0  # random-search samples (each × every seed); 0: no random search
     search_seed: int = 0  # seeds Tune's sampling: the same seed, the same samples
@@ -302,9 +306,9 @@ def sweep_settings(spec: SweepSpec) -> list[Trial]:
 
 def load_sweep(name: str, *, grid: list[str] | None = None, seeds: int | None = None,
                overrides: list[str] | None = None, cpus_per_trial: float | None = None,
-               max_concurrent: int | None = None, search: list[str] | None = None,
-               samples: int | None = None, search_seed: int | None = None, asha: str | None = None,
-               asha_mode: str | None = None, grace_period: int | None = None,
+               gpus_per_trial: float | None = None, max_concurrent: int | None = None,
+               search: list[str] | None = None, samples: int | None = None, search_seed: int | None = None,
+               asha: str | None = None, asha_mode: str | None = None, grace_period: int | None = None,
                reduction_factor: float | None = None) -> tuple[str, SweepSpec]:
     """A sweep file (``experiments/sweeps/NAME.yaml`` or a path) or an experiment plus ``--grid``
     and/or ``--samples N --search KEY=DIST``; ``asha`` (a metric) adds Tune's ASHA scheduler."""
@@ -350,6 +354,8 @@ def load_sweep(name: str, *, grid: list[str] | None = None, seeds: int | None = 
     spec.overrides = [*spec.overrides, *(overrides or [])]
     if cpus_per_trial is not None:
         spec.cpus_per_trial = cpus_per_trial
+    if gpus_per_trial is not None:
+        spec.gpus_per_trial = gpus_per_trial
     if max_concurrent is not None:
         spec.max_concurrent = max_concurrent
     if not spec.grid and not spec.samples:
@@ -358,6 +364,7 @@ def load_sweep(name: str, *, grid: list[str] | None = None, seeds: int | None = 
     if not (math.isfinite(spec.cpus_per_trial) and 0 < spec.cpus_per_trial <= MAX_CPUS_PER_TRIAL):
         raise ConfigError(f"cpus_per_trial must be > 0 (a finite number, at most {MAX_CPUS_PER_TRIAL}), "
                           f"got {spec.cpus_per_trial}")
+    check_gpus_per_trial(spec.gpus_per_trial)
     if not 0 <= spec.max_concurrent <= 100_000:
         raise ConfigError(f"max_concurrent must be in [0, 100000], got {spec.max_concurrent}")
     if not 1 <= len(spec.seeds) <= 10_000:
@@ -366,6 +373,15 @@ def load_sweep(name: str, *, grid: list[str] | None = None, seeds: int | None = 
         raise ConfigError(f"{spec.experiment!r} is a centralised-track method; sweep it with "
                           f"`fedsim reproduce` (a claim spec) for now")
     return label, spec
+
+
+def check_gpus_per_trial(gpus: float) -> None:
+    """``gpus_per_trial`` is 0, a fraction of one GPU (Ray's precision: 0.0001) or a whole number of them."""
+    ok = math.isfinite(gpus) and (gpus == 0 or 0.0001 <= gpus <= 1
+                                  or (1 < gpus <= MAX_GPUS_PER_TRIAL and float(gpus).is_integer()))
+    if not ok:
+        raise ConfigError(f"gpus_per_trial must be 0 (no GPU), a fraction of one GPU (0.0001 to 1, e.g. 0.5 "
+                          f"puts two trials on a GPU) or a whole number up to {MAX_GPUS_PER_TRIAL}, got {gpus}")
 
 
 def _check_search(spec: SweepSpec, label: str) -> None:
@@ -395,13 +411,17 @@ def _check_asha(asha: AshaSpec) -> None:
 
 
 def trial_config(spec: SweepSpec, setting: dict[str, Any], seed: int) -> C.ExperimentConfig:
-    """One trial's config: the in-process engine, ``cpus_per_trial`` torch threads, absolute paths."""
+    """One trial's config: the in-process engine, ``cpus_per_trial`` torch threads, ``engine.device=cuda``
+    when it reserves GPUs, absolute paths."""
     from fedsim.engine.runtime import RunSpec
     from fedsim.runner import preflight
 
     cfg = build_config(spec, setting, seed)
     cfg.engine.name = "local"
     cfg.engine.threads_per_client = max(1, int(spec.cpus_per_trial))
+    cfg.engine.device = trial_device(cfg.engine.device, spec.gpus_per_trial)
+    if spec.gpus_per_trial > 0:
+        _check_gpu_learner(cfg)
     cfg.engine.checkpoint_dir = str(Path(cfg.engine.checkpoint_dir).expanduser().resolve())
     if cfg.engine.checkpoint and cfg.tracking.enabled:
         check_writable_dir(cfg.engine.checkpoint_dir, "engine.checkpoint_dir")
@@ -409,16 +429,91 @@ def trial_config(spec: SweepSpec, setting: dict[str, Any], seed: int) -> C.Exper
     return cfg
 
 
-def preflight_resources(spec: SweepSpec, address: str | None) -> None:
-    """Before Ray or MLflow start: a local Ray cannot give a trial more CPUs than this machine has."""
+def trial_device(device: str, gpus_per_trial: float) -> str:
+    """A trial's ``engine.device``: ``cuda`` (the GPU Ray gives the trial) when it reserves GPUs, unless the
+    config already names a CUDA device; a CUDA device without reserved GPUs is a ConfigError."""
+    if gpus_per_trial <= 0:
+        if device.startswith("cuda"):
+            raise ConfigError(f"engine.device={device} in a sweep needs GPUs reserved per trial (else Ray counts "
+                              f"none and piles the trials on one GPU); add --gpus-per-trial 1 (or 0.5 to share one)")
+        return device
+    if not device.startswith("cuda"):
+        return "cuda"
+    visible = max(1, int(gpus_per_trial))  # Ray sets CUDA_VISIBLE_DEVICES to the trial's GPU(s)
+    if int(device.partition(":")[2] or 0) >= visible:
+        raise ConfigError(f"engine.device={device} but each trial sees {visible} GPU(s) (cuda:0..cuda:{visible - 1}, "
+                          f"the ones Ray gives it); use engine.device=cuda")
+    return device
+
+
+def _check_gpu_learner(cfg: C.ExperimentConfig) -> None:
+    """A trial that reserves GPUs needs a learner that runs on one (``supports_device``)."""
+    from fedsim.registry import LEARNERS
+
+    C.check_names(cfg)  # the config's plugins are imported: its learner is known
+    if not getattr(LEARNERS.get(cfg.client.learner), "supports_device", False):
+        raise ConfigError(f"learner {cfg.client.learner!r} runs on the CPU only, so its trials cannot use a GPU; "
+                          f"drop --gpus-per-trial")
+
+
+def trial_resources(spec: SweepSpec) -> dict[str, float]:
+    """What each trial reserves from Ray (``tune.with_resources``): its CPUs, and its GPUs if any."""
+    if spec.gpus_per_trial > 0:
+        return {"cpu": spec.cpus_per_trial, "gpu": spec.gpus_per_trial}
+    return {"cpu": spec.cpus_per_trial}
+
+
+def trials_at_once(spec: SweepSpec, cluster: Mapping[str, float]) -> int:
+    """How many trials run at once on Ray's resources ``cluster`` (``ray.cluster_resources()``): as many
+    as its CPUs (and GPUs) fit, capped by ``max_concurrent``; ConfigError if not even one fits."""
+    cpus = float(cluster.get("CPU", 1.0))
+    if spec.cpus_per_trial > cpus:
+        raise ConfigError(f"cpus_per_trial={spec.cpus_per_trial} exceeds the {cpus:g} CPUs Ray sees; "
+                          f"lower it (--cpus-per-trial)")
+    limit = max(1, int(cpus // spec.cpus_per_trial))
+    if spec.gpus_per_trial > 0:
+        gpus = float(cluster.get("GPU", 0.0))
+        if spec.gpus_per_trial > gpus:
+            raise ConfigError(f"gpus_per_trial={spec.gpus_per_trial:g} exceeds the {gpus:g} GPUs Ray sees; "
+                              f"lower it (--gpus-per-trial) or join a cluster with GPUs (--address)")
+        limit = min(limit, max(1, int(gpus / spec.gpus_per_trial + 1e-9)))  # 1 / 0.1 is 10 trials, not 9
+    return min(limit, spec.max_concurrent) if spec.max_concurrent else limit
+
+
+def check_cuda(spec: SweepSpec) -> None:
+    """Before the trials' configs are checked (here, on CUDA when they reserve GPUs): torch sees a GPU."""
+    if spec.gpus_per_trial <= 0:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError(f"gpus_per_trial={spec.gpus_per_trial:g} but torch sees no CUDA GPU here; run "
+                          f"`make install-gpu` on a machine with an NVIDIA GPU, or drop --gpus-per-trial")
+
+
+def _on_cluster(address: str | None) -> bool:
+    """The sweep joins an existing Ray runtime (whose resources are known once connected)."""
     import sys
 
-    if address or os.environ.get("RAY_ADDRESS") or ("ray" in sys.modules and sys.modules["ray"].is_initialized()):
-        return  # a cluster's CPUs are known once connected (checked again in _run_trials)
+    return bool(address or os.environ.get("RAY_ADDRESS")
+                or ("ray" in sys.modules and sys.modules["ray"].is_initialized()))
+
+
+def preflight_resources(spec: SweepSpec, address: str | None) -> None:
+    """Before Ray or MLflow start: a local Ray cannot give a trial more CPUs (or GPUs) than this machine has."""
+    if _on_cluster(address):
+        return  # a cluster's CPUs and GPUs are known once connected (checked again in _run_trials)
     cpus = os.cpu_count() or 1
     if spec.cpus_per_trial > cpus:
         raise ConfigError(f"cpus_per_trial={spec.cpus_per_trial:g} exceeds the {cpus} CPUs of this machine; "
                           f"lower it (--cpus-per-trial) or join a cluster with --address")
+    if spec.gpus_per_trial > 0:
+        import torch
+
+        gpus = torch.cuda.device_count()
+        if spec.gpus_per_trial > gpus:
+            raise ConfigError(f"gpus_per_trial={spec.gpus_per_trial:g} exceeds the {gpus} GPU(s) of this machine; "
+                              f"lower it (--gpus-per-trial) or join a cluster with --address")
 
 
 def child_name(setting: dict[str, Any] | str, seed: int) -> str:
@@ -445,6 +540,7 @@ def run_sweep(
     from fedsim.tracking import MlflowRecorder, git_commit, resolve_tracking_uri
 
     configs = sweep_settings(spec)
+    check_cuda(spec)  # before the trials' configs resolve engine.device=cuda
     trials = [(t, seed, trial_config(spec, t.setting, seed)) for t in configs for seed in spec.seeds]  # validate all first
     tracking = trials[0][2].tracking
     if not tracking.enabled:
@@ -473,7 +569,8 @@ def run_sweep(
     else:
         parent = MlflowRecorder(uri, tracking.experiment, run_name=f"sweep-{name}",
                                 tags={"experiment": f"sweep/{name}", "kind": "sweep", "git_commit": git_commit()})
-        parent.log_params({**params, "cpus_per_trial": spec.cpus_per_trial, "max_concurrent": spec.max_concurrent})
+        parent.log_params({**params, "cpus_per_trial": spec.cpus_per_trial,
+                           "gpus_per_trial": spec.gpus_per_trial, "max_concurrent": spec.max_concurrent})
         done = {}
     progress = SweepProgress(total=len(trials))
     pending = []
@@ -526,14 +623,9 @@ def _run_trials(pending: list[tuple[str, C.ExperimentConfig]], uri: str, parent_
                  runtime_env={"env_vars": {"RAY_CHDIR_TO_TRIAL_DIR": "0"}} if address else None)
         started_here = True
     try:
-        cpus = float(ray.cluster_resources().get("CPU", 1.0))
-        if spec.cpus_per_trial > cpus:
-            raise ConfigError(f"cpus_per_trial={spec.cpus_per_trial} exceeds the {cpus:g} CPUs Ray sees; "
-                              f"lower it (--cpus-per-trial)")
-        limit = max(1, int(cpus // spec.cpus_per_trial))
-        concurrent = min(limit, spec.max_concurrent) if spec.max_concurrent else limit
+        concurrent = trials_at_once(spec, ray.cluster_resources())
         by_id = {f"t{i:04d}": (child, cfg) for i, (child, cfg) in enumerate(pending)}
-        trainable = tune.with_resources(_make_trainable(uri, parent_id, spec, by_id), {"cpu": spec.cpus_per_trial})
+        trainable = tune.with_resources(_make_trainable(uri, parent_id, spec, by_id), trial_resources(spec))
         scheduler = None
         if spec.asha is not None:
             from ray.tune.schedulers import ASHAScheduler

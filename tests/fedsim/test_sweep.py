@@ -9,7 +9,17 @@ from mlflow import MlflowClient
 
 from fedsim.cli import main
 from fedsim.errors import ConfigError
-from fedsim.sweep import load_sweep, parse_grid, trial_config
+from fedsim.sweep import (
+    SweepSpec,
+    check_cuda,
+    load_sweep,
+    parse_grid,
+    preflight_resources,
+    trial_config,
+    trial_device,
+    trial_resources,
+    trials_at_once,
+)
 
 
 def test_grid_values_are_typed_and_section_names_expand() -> None:
@@ -40,6 +50,148 @@ def test_sweep_specs_and_their_errors() -> None:
         load_sweep("fedavg_digits", grid=["rounds=1,2"], cpus_per_trial=0)
     with pytest.raises(ConfigError, match="centralised-track"):
         load_sweep("paretoq", grid=["params.steps=1,2"])
+
+
+# -- gpus_per_trial ---------------------------------------------------------------------------------
+@pytest.fixture
+def fake_gpus(monkeypatch: pytest.MonkeyPatch):
+    """Make torch report ``n`` CUDA GPUs (this machine may have none); returns the setter."""
+    import torch
+
+    def set_gpus(n: int) -> None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+
+    return set_gpus
+
+
+def test_gpus_per_trial_from_a_sweep_file_and_the_flag(tmp_path) -> None:
+    assert load_sweep("fedsvd")[1].gpus_per_trial == 0  # the default: CPU trials
+    path = tmp_path / "gpu_sweep.yaml"
+    path.write_text("experiment: fedavg_digits\ngpus_per_trial: 0.5\ncpus_per_trial: 2\ngrid: {client.lr: [0.1]}\n")
+    _, spec = load_sweep(str(path))
+    assert (spec.gpus_per_trial, spec.cpus_per_trial) == (0.5, 2)
+    assert load_sweep(str(path), gpus_per_trial=1)[1].gpus_per_trial == 1  # the flag wins over the file
+    assert load_sweep("fedavg_digits", grid=["rounds=1"], gpus_per_trial=0.25)[1].gpus_per_trial == 0.25
+
+
+@pytest.mark.parametrize("gpus, summary", [(None, "1 CPU(s) per trial"), ("0.5", "1 CPU(s) and 0.5 GPU(s) per trial")])
+def test_the_gpus_per_trial_flag_reaches_the_sweep(gpus, summary, monkeypatch, capsys) -> None:
+    import fedsim.sweep
+
+    seen = []
+
+    def fake_run_sweep(name, spec, **kwargs):
+        seen.append(spec)
+        raise ConfigError("stopped by the test")
+
+    monkeypatch.setenv("COLUMNS", "300")
+    monkeypatch.setattr(fedsim.sweep, "run_sweep", fake_run_sweep)
+    argv = ["sweep", "fedavg_digits", "--grid", "rounds=1", *(["--gpus-per-trial", gpus] if gpus else [])]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert seen[0].gpus_per_trial == (float(gpus) if gpus else 0.0)
+    assert summary in out and (gpus or "GPU" not in out)
+    assert "stopped by the test" in err
+
+
+@pytest.mark.parametrize("gpus", [-1, -0.5, math.nan, math.inf, 9, 1.5, 0.00001])
+def test_bad_gpus_per_trial_is_a_one_line_error(gpus) -> None:
+    with pytest.raises(ConfigError, match=r"gpus_per_trial must be 0 \(no GPU\), a fraction .* got ") as exc:
+        load_sweep("fedavg_digits", grid=["rounds=1"], gpus_per_trial=gpus)
+    assert "\n" not in str(exc.value)
+
+
+def test_good_gpus_per_trial_values_load() -> None:
+    for gpus in (0, 0.0001, 0.25, 0.5, 1, 2, 8):
+        assert load_sweep("fedavg_digits", grid=["rounds=1"], gpus_per_trial=gpus)[1].gpus_per_trial == gpus
+
+
+def test_no_cuda_gpu_is_a_one_line_error_with_the_fix(fake_gpus, monkeypatch, tmp_path, capsys) -> None:
+    import torch
+
+    fake_gpus(0)
+    with pytest.raises(ConfigError, match=r"gpus_per_trial=0.5 but torch sees no CUDA GPU here; run "
+                                          r"`make install-gpu` .* or drop --gpus-per-trial"):
+        check_cuda(SweepSpec(experiment="fedavg_digits", gpus_per_trial=0.5))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: pytest.fail("CPU trials need no CUDA check"))
+    check_cuda(SweepSpec(experiment="fedavg_digits"))
+    # through the CLI: exit 2, one line, before MLflow or Ray start
+    fake_gpus(0)
+    monkeypatch.chdir(tmp_path)
+    assert main(["sweep", "fedavg_digits", "--grid", "rounds=1", "--gpus-per-trial", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "make install-gpu" in err[0]
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "fedsim-sweeps").exists()
+
+
+def test_more_gpus_per_trial_than_this_machine_has(fake_gpus, monkeypatch) -> None:
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    fake_gpus(1)
+    with pytest.raises(ConfigError, match=r"gpus_per_trial=2 exceeds the 1 GPU\(s\) of this machine; lower it "
+                                          r"\(--gpus-per-trial\)"):
+        preflight_resources(SweepSpec(experiment="fedavg_digits", gpus_per_trial=2), None)
+    preflight_resources(SweepSpec(experiment="fedavg_digits", gpus_per_trial=1), None)
+    preflight_resources(SweepSpec(experiment="fedavg_digits", gpus_per_trial=2), "auto")  # a cluster's: checked by Ray
+    fake_gpus(0)
+    preflight_resources(SweepSpec(experiment="fedavg_digits"), None)  # CPU trials: no GPU needed
+
+
+def test_trial_resources_are_cpus_and_gpus_only_when_asked() -> None:
+    assert trial_resources(SweepSpec(experiment="x", cpus_per_trial=2)) == {"cpu": 2}
+    assert trial_resources(SweepSpec(experiment="x", cpus_per_trial=2, gpus_per_trial=0.5)) == {"cpu": 2, "gpu": 0.5}
+
+
+def test_trials_at_once_fit_the_cpus_and_the_gpus() -> None:
+    def at_once(cluster: dict[str, float], **kw) -> int:
+        return trials_at_once(SweepSpec(experiment="x", **kw), cluster)
+
+    assert at_once({"CPU": 8}) == 8 and at_once({"CPU": 8, "GPU": 0}) == 8  # CPU trials ignore GPUs
+    assert at_once({"CPU": 8, "GPU": 1}, cpus_per_trial=2) == 4
+    assert at_once({"CPU": 8, "GPU": 1}, gpus_per_trial=0.5) == 2  # two trials share the GPU
+    assert at_once({"CPU": 8, "GPU": 2}, gpus_per_trial=1) == 2
+    assert at_once({"CPU": 3, "GPU": 2}, gpus_per_trial=0.5) == 3  # CPU-bound
+    assert at_once({"CPU": 64, "GPU": 1}, gpus_per_trial=0.1) == 10  # 1 // 0.1 would be 9
+    assert at_once({"CPU": 8, "GPU": 4}, gpus_per_trial=0.5, max_concurrent=3) == 3
+    with pytest.raises(ConfigError, match=r"gpus_per_trial=2 exceeds the 1 GPUs Ray sees; lower it "
+                                          r"\(--gpus-per-trial\)"):
+        at_once({"CPU": 8, "GPU": 1}, gpus_per_trial=2)
+    with pytest.raises(ConfigError, match=r"gpus_per_trial=1 exceeds the 0 GPUs Ray sees"):
+        at_once({"CPU": 8}, gpus_per_trial=1)
+    with pytest.raises(ConfigError, match=r"cpus_per_trial=16 exceeds the 8 CPUs Ray sees; lower it "
+                                          r"\(--cpus-per-trial\)"):
+        at_once({"CPU": 8, "GPU": 8}, cpus_per_trial=16, gpus_per_trial=1)
+
+
+def test_trial_device() -> None:
+    assert [trial_device(d, 0) for d in ("cpu", "auto")] == ["cpu", "auto"]
+    assert [trial_device(d, 0.5) for d in ("cpu", "auto", "cuda", "cuda:0")] == ["cuda", "cuda", "cuda", "cuda:0"]
+    assert trial_device("cuda:1", 2) == "cuda:1"
+    for device in ("cuda", "cuda:0"):
+        with pytest.raises(ConfigError, match=rf"engine.device={device} in a sweep needs GPUs reserved per trial .* "
+                                              r"add --gpus-per-trial"):
+            trial_device(device, 0)
+    with pytest.raises(ConfigError, match=r"engine.device=cuda:1 but each trial sees 1 GPU\(s\) \(cuda:0..cuda:0"):
+        trial_device("cuda:1", 0.5)
+
+
+def test_a_trial_runs_on_cuda_only_when_it_reserves_gpus(fake_gpus, monkeypatch) -> None:
+    _, cpu = load_sweep("fedavg_digits", grid=["rounds=1"])
+    assert trial_config(cpu, {"rounds": 1}, seed=0).engine.device == "cpu"
+    with pytest.raises(ConfigError, match="add --gpus-per-trial"):  # whatever GPUs this machine has
+        trial_config(load_sweep("fedavg_digits", grid=["rounds=1"], overrides=["engine.device=cuda"])[1], {}, seed=0)
+    fake_gpus(2)
+    _, gpu = load_sweep("fedavg_digits", grid=["rounds=1"], gpus_per_trial=0.5)
+    cfg = trial_config(gpu, {"rounds": 1}, seed=0)
+    assert (cfg.engine.device, cfg.engine.name, cfg.engine.threads_per_client) == ("cuda", "local", 1)
+    assert trial_config(gpu, {"engine.device": "cuda:0"}, seed=0).engine.device == "cuda:0"
+    _, two = load_sweep("fedavg_digits", grid=["rounds=1"], gpus_per_trial=2)
+    assert trial_config(two, {"engine.device": "cuda:1"}, seed=0).engine.device == "cuda:1"
+    from clients.supervised import SupervisedLearner
+
+    monkeypatch.setattr(SupervisedLearner, "supports_device", False)
+    with pytest.raises(ConfigError, match=r"learner 'supervised' runs on the CPU only, .* drop --gpus-per-trial"):
+        trial_config(gpu, {"rounds": 1}, seed=0)
 
 
 @pytest.mark.slow
