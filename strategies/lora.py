@@ -59,6 +59,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
+from fedsim.device import resolve_device
 from fedsim.errors import ConfigError
 from fedsim.kernels import refactor_lora_state_dict
 from fedsim.registry import MODELS, STRATEGIES
@@ -94,10 +95,11 @@ class LoraFedAvg(FedAvg):
     train_A: bool = True
     send_base: bool = False
 
-    def __init__(self, *, lora_scale: float, root_seed: int, **kwargs) -> None:
+    def __init__(self, *, lora_scale: float, root_seed: int, device: str = "cpu", **kwargs) -> None:
         super().__init__(**kwargs)
         self.lora_scale = lora_scale
         self.root_seed = root_seed
+        self.device = device  # engine.device: where the server's SVD refactorisation runs
         self.global_arrays: ArrayRecord | None = None
 
     # -- what goes out ---------------------------------------------------------------------------
@@ -154,13 +156,20 @@ class FedAvgLoRA(LoraFedAvg):
 ORTHONORMALISE_MODES = ("none", "init", "first_round")
 
 
-def refactor_state(state: StateDict) -> StateDict:
+def refactor_state(state: StateDict, device: str = "cpu") -> StateDict:
     """FedSVD's server step on every LoRA layer: B·A = UΣVᵀ → A ← V_rᵀ, B ← U_rΣ_r (B·A unchanged).
 
     A's new rows are an orthonormal basis of A's own row space (completed inside it where B·A is
-    rank-deficient, e.g. B = 0), so the step never leaves span(A).
+    rank-deficient, e.g. B = 0), so the step never leaves span(A).  ``device`` (``engine.device``):
+    where the batched kernel runs; off the CPU the LoRA factors go there and come back (the global
+    state lives on the host, as Flower's records do).
     """
-    return dict(refactor_lora_state_dict(state, a_suffix=A_SUFFIX, b_suffix=B_SUFFIX))
+    where = resolve_device(device)
+    if where.type == "cpu":
+        return dict(refactor_lora_state_dict(state, a_suffix=A_SUFFIX, b_suffix=B_SUFFIX))
+    factors = {k: v.to(where) for k, v in state.items() if k.endswith((A_SUFFIX, B_SUFFIX))}
+    done = refactor_lora_state_dict(factors, a_suffix=A_SUFFIX, b_suffix=B_SUFFIX)
+    return {**state, **{k: v.to("cpu") for k, v in done.items()}}
 
 
 class FFALoRA(LoraFedAvg):
@@ -184,12 +193,12 @@ class FFALoRA(LoraFedAvg):
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         if self.orthonormalise_a == "init" and server_round == 1:
-            arrays = ArrayRecord(refactor_state(arrays.to_torch_state_dict()))
+            arrays = ArrayRecord(refactor_state(arrays.to_torch_state_dict(), self.device))
         return super().configure_train(server_round, arrays, config, grid)
 
     def post_aggregate(self, server_round: int, state: StateDict, replies: list[Message]) -> StateDict:
         if self.orthonormalise_a == "first_round" and server_round == 1:
-            return refactor_state(state)
+            return refactor_state(state, self.device)
         return state
 
 
@@ -212,7 +221,7 @@ class FedSVD(FFALoRA):
 
     def post_aggregate(self, server_round: int, state: StateDict, replies: list[Message]) -> StateDict:
         if self.refactor_due(server_round):
-            return refactor_state(state)
+            return refactor_state(state, self.device)
         return super().post_aggregate(server_round, state, replies)
 
 
@@ -271,7 +280,8 @@ def lora_scale(ctx: StrategyContext, strategy: str) -> float:
 
 
 def _common(ctx: StrategyContext, strategy: str) -> dict:
-    return dict(lora_scale=lora_scale(ctx, strategy), root_seed=ctx.cfg.seed, **ctx.fedavg_kwargs())
+    return dict(lora_scale=lora_scale(ctx, strategy), root_seed=ctx.cfg.seed, device=ctx.cfg.engine.device,
+                **ctx.fedavg_kwargs())
 
 
 @STRATEGIES.register("fedavg_lora", summary="FedAvg on LoRA adapters: clients train A and B, both averaged")

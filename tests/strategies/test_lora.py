@@ -78,3 +78,33 @@ def test_lora_strategy_needs_a_lora_model() -> None:
     with pytest.raises(ConfigError, match="needs a LoRA model"):
         build_fedsvd(StrategyContext(cfg, cfg.num_clients), FedSVDParams())
     assert lora_prefixes(state()) == [P]
+
+
+def test_the_server_refactorisation_runs_on_the_engine_device(monkeypatch) -> None:
+    """engine.device reaches FedSVD's kernel: off the CPU the LoRA factors (and nothing else) go to the device,
+    and the refactored ones come back to the host in the state's key order.  ``meta`` stands in for a GPU
+    here (the kernel is a spy that answers with the CPU result)."""
+    import strategies.lora as lora
+
+    sd = state()
+    on_cpu = lora.refactor_state(dict(sd))
+    seen: list[set[str]] = []
+
+    def kernel(factors, *, a_suffix, b_suffix):
+        seen.append({str(v.device) for v in factors.values()})
+        if seen[-1] == {"meta"}:  # only the factors travel
+            assert set(factors) == {P + A_SUFFIX, P + B_SUFFIX}
+        return {k: on_cpu[k] for k in factors}
+
+    monkeypatch.setattr(lora, "refactor_lora_state_dict", kernel)
+    monkeypatch.setattr(lora, "resolve_device", lambda name: torch.device("meta" if name == "cuda" else "cpu"))
+    built = build_fedsvd(StrategyContext(C.load_config("fedsvd", ["engine.device=cuda"], {}), 6), FedSVDParams())
+    assert built.device == "cuda"
+    out = built.post_aggregate(1, dict(sd), [])
+    assert seen == [{"meta"}]
+    assert list(out) == list(sd) and all(v.device.type == "cpu" for v in out.values())
+    assert all(torch.equal(out[k], on_cpu[k]) for k in sd)
+    assert out["head.weight"] is sd["head.weight"]  # what is not a LoRA factor never moves
+    cpu = build_fedsvd(StrategyContext(C.load_config("fedsvd", [], {}), 6), FedSVDParams())
+    cpu.post_aggregate(1, dict(sd), [])
+    assert seen[-1] == {"cpu"}
