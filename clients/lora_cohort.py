@@ -56,10 +56,9 @@ draws what PyTorch draws (tested), so CPU results are unchanged.
 Valid where :func:`lora_cohort_refusal` gives no reason: a ``SupervisedLearner`` keeping
 :data:`LORA_KEPT_METHODS`, an adapter model whose rows are computed independently (the LoRA text
 encoders are; a user's adapter model must be, which ``engine.vectorise=true`` takes on trust beyond
-the refusal of batch-statistics normalisation), no
-ghost clipping (``privacy.grad_sample_mode=ghost``), no FedProx
-term and no model transforms in the round config, no client past its privacy budget, the same trainable factors for every client, and
-every client with a training example.  :func:`train_lora_cohort` also raises ``ValueError`` when
+the refusal of batch-statistics normalisation), no ghost clipping (``privacy.grad_sample_mode=ghost``),
+no FedProx term and no model transforms in the round config, no client past its privacy budget, the
+same trainable factors for every client, and every client with a training example.  :func:`train_lora_cohort` also raises ``ValueError`` when
 the clients' shared (base) weights differ, or when a client's arrays lack a weight it trains (the
 sequential round would carry the previous client's value over); the local engine then trains the
 clients one by one.  A random op the mode does not reproduce (causal or GQA attention with dropout,
@@ -75,7 +74,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
