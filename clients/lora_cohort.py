@@ -55,14 +55,14 @@ draws what PyTorch draws (tested), so CPU results are unchanged.
 
 Valid where :func:`lora_cohort_refusal` gives no reason: a ``SupervisedLearner`` keeping
 :data:`LORA_KEPT_METHODS`, an adapter model whose rows are computed independently (the LoRA text
-encoders are; a user's adapter model must be, which ``engine.vectorise=true`` takes on trust beyond
-the refusal of batch-statistics normalisation), no ghost clipping (``privacy.grad_sample_mode=ghost``),
-no FedProx term and no model transforms in the round config, no client past its privacy budget, the
-same trainable factors for every client, and every client with a training example.
-:func:`train_lora_cohort` also raises ``ValueError`` when the clients' shared (base) weights differ, or when a client's arrays lack a weight it trains (the
-sequential round would carry the previous client's value over); the local engine then trains the
-clients one by one.  A random op the mode does not reproduce (causal or GQA attention with dropout,
-an in-place dropout on a non-contiguous input) raises the same way.
+encoders are; a user's adapter model must be, which ``engine.vectorise=true`` takes on trust beyond the
+refusal of batch-statistics normalisation), no ghost clipping (``privacy.grad_sample_mode=ghost``), no
+FedProx term and no model transforms in the round config, no client past its privacy budget, the same
+trainable factors for every client, and every client with a training example. :func:`train_lora_cohort`
+also raises ``ValueError`` when the clients' shared (base) weights differ, or when a client's arrays
+lack a weight it trains (the sequential round would carry the previous client's value over); the local
+engine then trains the clients one by one. A random op the mode does not reproduce (causal or GQA
+attention with dropout, an in-place dropout on a non-contiguous input) raises the same way.
 
 ``engine.vectorise=true`` uses it wherever it is valid; ``engine.vectorise=auto`` only where it was
 measured faster (``benchmarks/bench_lora_cohort.py``): on CPU, for client steps of at most
