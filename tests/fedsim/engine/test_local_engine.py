@@ -107,11 +107,15 @@ def test_the_rounds_run_with_the_heap_frozen_and_give_it_back(monkeypatch) -> No
     assert gc.get_freeze_count() == 0
     gc.freeze()
     try:
-        frozen = gc.get_freeze_count()
+        calls: list[str] = []
+        monkeypatch.setattr(gc, "freeze", lambda: calls.append("freeze"))
+        monkeypatch.setattr(gc, "unfreeze", lambda: calls.append("unfreeze"))
         with frozen_heap():
             pass
-        assert gc.get_freeze_count() == frozen  # not unfrozen by the inner run
+        assert calls == []  # left to its owner (a count would drift: frozen objects of other threads can die)
+        assert gc.get_freeze_count() > 0
     finally:
+        monkeypatch.undo()
         gc.unfreeze()
 
 
