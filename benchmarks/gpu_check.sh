@@ -45,7 +45,7 @@ exec > >(tee "$LOG") 2>&1
 
 if ! $PY -c "import flwr, opacus, omegaconf, flwr_datasets, mlxtend, cryptography" 2>/dev/null; then
   if ! ls .gpu-wheels/*.whl >/dev/null 2>&1; then
-    echo "gpu_check: flwr, opacus, omegaconf, flwr_datasets or mlxtend is missing and there is no .gpu-wheels/; run 'make gpu-wheels' and carry .gpu-wheels" >&2
+    echo "gpu_check: flwr, opacus, omegaconf, flwr_datasets, mlxtend or cryptography is missing and there is no .gpu-wheels/; run 'make gpu-wheels' and carry .gpu-wheels" >&2
     exit 2
   fi
   $PY -m pip install --quiet --no-index --no-deps --target .gpu-site .gpu-wheels/*.whl || exit 2

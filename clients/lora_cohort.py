@@ -83,13 +83,12 @@ from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
 from clients.supervised import SupervisedLearner, iterate_batches, num_local_steps, optimizer_for
-from clients.vectorised import KEPT_METHODS, overridden_method, uses_batch_statistics
+from clients.vectorised import (KEPT_METHODS, PrivateRound, client_refusal, overridden_method, private_round,
+                                uses_batch_statistics)
 from fedsim.contracts.learner import Learner, NodeContext, StateDict, TrainResult
 from fedsim.contracts.wire import PROXIMAL_MU, TRANSFORM_KEY
 from fedsim.device import to_host
-from privacy.cohort import expected_batch_size, noise_draws, poisson_masks, privatise
-from privacy.facade import PrivacyBudgetExhausted, round_seeds
-from privacy.plan import ClientPrivacyPlan
+from privacy.cohort import privatise
 
 #: Methods a learner must inherit unchanged from SupervisedLearner for the cohort to be its sequential round.
 LORA_KEPT_METHODS = (*KEPT_METHODS, "_load", "_set_trainable", "_trainable_flags", "_client_draws")
@@ -172,16 +171,7 @@ def _unsupported(learner: Learner, ctxs: list[NodeContext]) -> str | None:
         return "model transforms are not built for LoRA cohorts"
     if len({learner._trainable_flags(model, c) for c in ctxs}) != 1:
         return "the clients train different LoRA factors"
-    for c in ctxs:
-        n = len(learner.data.client_train(c.partition_id, c.server_round).y)
-        if n == 0:
-            return f"client {c.partition_id} has no training examples"
-        if learner.sample_level_dp:
-            try:
-                learner.dp.begin_round(c, n)
-            except PrivacyBudgetExhausted as exc:  # it fails on its own, one by one
-                return str(exc)
-    return None
+    return client_refusal(learner, ctxs)
 
 
 def own_keys(model: nn.Module) -> list[str]:
@@ -320,17 +310,6 @@ def client_draws(model: nn.Module, ctx: NodeContext) -> contextlib.AbstractConte
 # -- training -------------------------------------------------------------------------------------
 
 @dataclass
-class _PrivateRound:
-    """What Opacus would draw for one client's DP-SGD round (:mod:`privacy.cohort`)."""
-
-    plan: ClientPrivacyPlan
-    pieces: list[list[torch.Tensor]]  # per logical step, its physical batches (local indices); [] if empty
-    noise: list[torch.Tensor]  # per trained key, in the optimiser's order: [steps, *shape]
-    batch_size: int  # the expected batch size the privatised gradient is divided by
-    seen: int = 0  # examples in the round's batches (Opacus' mean loss divides by it)
-
-
-@dataclass
 class _Client:
     x: torch.Tensor
     y: torch.Tensor
@@ -342,7 +321,8 @@ class _Client:
     optimizer: torch.optim.Optimizer | None = None
     loss_sum: float = 0.0
     done: int = 0
-    dp: _PrivateRound | None = None  # sample-level DP-SGD: the client's Opacus round
+    dp: PrivateRound | None = None  # sample-level DP-SGD: the client's Opacus round (noise in ``trained`` order)
+    seen: int = 0  # DP-SGD: examples in the round's batches (Opacus' mean loss divides by it)
 
 
 def _shared_arrays_equal(arrays_list: list[StateDict], own: set[str]) -> None:
@@ -371,7 +351,7 @@ def _client(learner: SupervisedLearner, arrays: StateDict, ctx: NodeContext,
         values[k] = v.detach().clone().requires_grad_(k in trained)
     generator = torch.Generator(device=x.device).manual_seed(ctx.seed("torch"))
     if learner.sample_level_dp:
-        dp = _private_round(learner, ctx, len(y), [values[k] for k in trained])
+        dp = private_round(learner, ctx, len(y), [values[k] for k in trained])
         c = _Client(x, y, dp.plan.steps_per_round, iter(()), values, trained, generator, dp=dp)
     else:
         steps = num_local_steps(len(y), learner.cfg)
@@ -380,19 +360,6 @@ def _client(learner: SupervisedLearner, arrays: StateDict, ctx: NodeContext,
         c = _Client(x, y, steps, batches, values, trained, generator)
     c.optimizer = optimizer_for([values[k] for k in trained], learner.cfg)
     return c
-
-
-def _private_round(learner: SupervisedLearner, ctx: NodeContext, n: int, trained: list[torch.Tensor]) -> _PrivateRound:
-    """The client's Opacus round from its seeds: Poisson batches split into physical ones, and its noise."""
-    cfg = learner.cfg
-    plan = learner.dp.begin_round(ctx, n)
-    batch_seed, noise_seed = round_seeds(ctx)
-    masks = poisson_masks(n, cfg.client.batch_size, plan.steps_per_round, batch_seed)
-    pieces = [physical_batches(m, cfg.privacy.max_physical_batch_size) for m in masks]
-    std = plan.noise_multiplier * cfg.privacy.max_grad_norm
-    noise = noise_draws([t.shape for t in trained], trained[0].dtype, std, plan.steps_per_round, noise_seed,
-                        trained[0].device)
-    return _PrivateRound(plan, pieces, noise, expected_batch_size(n, cfg.client.batch_size))
 
 
 def physical_batches(mask: torch.Tensor, max_physical: int) -> list[torch.Tensor]:
@@ -431,14 +398,14 @@ def _train_chunk(model: nn.Module, clients: list[_Client], params: dict[str, nn.
 
 
 def _train_chunk_private(model: nn.Module, clients: list[_Client], params: dict[str, nn.Parameter],
-                         max_grad_norm: float) -> None:
+                         max_grad_norm: float, max_physical: int) -> None:
     """Every DP-SGD step of ``clients``: per logical step, one stacked forward and backward per physical piece,
     then each client's privatised gradient (:func:`privacy.cohort.privatise`) and optimiser step."""
     while True:
         active = [c for c in clients if c.done < c.steps]
         if not active:
             return
-        pieces = [c.dp.pieces[c.done] for c in active]  # type: ignore[union-attr]
+        pieces = [physical_batches(c.dp.masks[c.done], max_physical) for c in active]  # type: ignore[union-attr]
         samples: dict[int, dict[str, list[torch.Tensor]]] = {id(c): {k: [] for k in c.trained} for c in active}
         for j in range(max(len(p) for p in pieces)):
             part = [(c, p[j]) for c, p in zip(active, pieces) if j < len(p)]
@@ -456,7 +423,7 @@ def _train_chunk_private(model: nn.Module, clients: list[_Client], params: dict[
                     samples[id(c)][k].append(torch.stack(grads).sum(0) if grads else
                                              c.values[k].new_zeros((len(r), *c.values[k].shape)))
                 c.loss_sum += float(loss.sum())
-                c.dp.seen += len(r)  # type: ignore[union-attr]
+                c.seen += len(r)
         for c in active:
             _private_step(c, samples[id(c)], max_grad_norm)
 
@@ -513,14 +480,15 @@ def train_lora_cohort(learner: SupervisedLearner, arrays_list: list[StateDict], 
         clients = [_client(learner, arrays_list[i], ctxs[i], current, trained)
                    for i in range(start, min(start + chunk, len(ctxs)))]
         if learner.sample_level_dp:
-            _train_chunk_private(model, clients, own_params, learner.cfg.privacy.max_grad_norm)
+            _train_chunk_private(model, clients, own_params, learner.cfg.privacy.max_grad_norm,
+                                 learner.cfg.privacy.max_physical_batch_size)
         else:
             _train_chunk(model, clients, own_params, learner.params.grad_clip)
         for c, ctx in zip(clients, ctxs[start:]):
             if c.dp is None:
                 metrics = {"train_loss": c.loss_sum / c.steps, "local_steps": float(c.steps)}
             else:  # Opacus' mean over the examples seen, and the ledger's metrics
-                metrics = {"train_loss": c.loss_sum / max(c.dp.seen, 1), "local_steps": float(c.steps),
+                metrics = {"train_loss": c.loss_sum / max(c.seen, 1), "local_steps": float(c.steps),
                            **learner.dp.end_round(ctx, c.dp.plan, c.steps)}
             arrays = {k: to_host(c.values[k].detach()) for k in model.trainable_keys()}  # type: ignore[operator]
             results.append(TrainResult(arrays, num_examples=len(c.y), metrics=metrics, owned=True))

@@ -149,9 +149,11 @@ def vectorise_unsupported(learner: Learner, ctxs: list[NodeContext]) -> str | No
         return reason
     if learner.sample_level_dp and learner.cfg.privacy.grad_sample_mode == "ghost":
         return "DP-SGD with privacy.grad_sample_mode=ghost (ghost clipping) is not vectorised"
-    reason = _model_unsupported(learner.model) or _optimizer_unsupported(learner)
-    if reason:
-        return reason
+    return _model_unsupported(learner.model) or _optimizer_unsupported(learner) or client_refusal(learner, ctxs)
+
+
+def client_refusal(learner: SupervisedLearner, ctxs: list[NodeContext]) -> str | None:
+    """Why one of the cohort's clients trains on its own: no training example, or (DP-SGD) past its budget."""
     for ctx in ctxs:
         n = len(learner.data.client_train(ctx.partition_id, ctx.server_round).y)
         if n == 0:
@@ -226,12 +228,26 @@ def batch_schedule(n: int, batch_size: int, steps: int, seed: int) -> torch.Tens
 
 
 @dataclass
-class _PrivateRound:
+class PrivateRound:
     """What Opacus would draw for one client's DP-SGD round (:mod:`privacy.cohort`)."""
 
     plan: ClientPrivacyPlan
+    masks: torch.Tensor  # [steps, examples] bool: each logical (Poisson) batch
     noise: list[torch.Tensor]  # per trainable parameter, [steps, *shape]
     batch_size: int  # the expected batch size the privatised gradient is divided by
+
+
+def private_round(learner: SupervisedLearner, ctx: NodeContext, n: int, params: list[torch.Tensor]) -> PrivateRound:
+    """Client ``ctx``'s Opacus round over ``n`` examples from its seeds (after the budget check): its Poisson
+    batches and, per trainable parameter in the optimiser's order (``params``), its noise."""
+    cfg = learner.cfg
+    plan = learner.dp.begin_round(ctx, n)
+    batch_seed, noise_seed = round_seeds(ctx)
+    masks = poisson_masks(n, cfg.client.batch_size, plan.steps_per_round, batch_seed)
+    std = plan.noise_multiplier * cfg.privacy.max_grad_norm
+    noise = noise_draws([p.shape for p in params], params[0].dtype, std, plan.steps_per_round, noise_seed,
+                        params[0].device)
+    return PrivateRound(plan, masks, noise, expected_batch_size(n, cfg.client.batch_size))
 
 
 @dataclass
@@ -244,7 +260,7 @@ class _Client:
     y: torch.Tensor
     batches: torch.Tensor  # [steps, width] local indices, -1 = padding
     mu: float  # FedProx's coefficient, 0 without the proximal term
-    dp: _PrivateRound | None = None  # sample-level DP-SGD: the client's Opacus round
+    dp: PrivateRound | None = None  # sample-level DP-SGD: the client's Opacus round
 
     @property
     def steps(self) -> int:
@@ -259,14 +275,8 @@ def _plan(learner: SupervisedLearner, arrays: StateDict, ctx: NodeContext) -> _C
         steps = num_local_steps(len(y), learner.cfg)
         batches = batch_schedule(len(y), b, steps, ctx.seed("batches"))[:, : min(b, len(y))]
         return _Client(arrays, ctx, x, y, batches, mu)
-    plan = learner.dp.begin_round(ctx, len(y))
-    batch_seed, noise_seed = round_seeds(ctx)
-    masks = poisson_masks(len(y), b, plan.steps_per_round, batch_seed)
-    params = [p for p in learner.model.parameters() if p.requires_grad]
-    std = plan.noise_multiplier * learner.cfg.privacy.max_grad_norm
-    noise = noise_draws([p.shape for p in params], params[0].dtype, std, plan.steps_per_round, noise_seed,
-                        params[0].device)
-    return _Client(arrays, ctx, x, y, _mask_rows(masks), mu, _PrivateRound(plan, noise, expected_batch_size(len(y), b)))
+    dp = private_round(learner, ctx, len(y), [p for p in learner.model.parameters() if p.requires_grad])
+    return _Client(arrays, ctx, x, y, _mask_rows(dp.masks), mu, dp)
 
 
 def _prime_round_seeds(learner: SupervisedLearner, ctxs: list[NodeContext]) -> None:

@@ -175,14 +175,14 @@ def test_a_dp_lora_cohort_is_opacus_round_client_by_client() -> None:
 
 
 def test_dp_noise_or_batches_from_other_seeds_would_show(monkeypatch) -> None:
-    import clients.lora_cohort as lora_cohort
+    import clients.vectorised as vectorised  # where a cohort's Opacus round is drawn (private_round)
 
     lrn = dp_learner()
     arrays = client_arrays(lrn, distinct=False)
     seq = [lrn.train(a, c) for a, c in zip(arrays, ctxs({LORA_TRAIN_A: False}))]
-    real = lora_cohort.round_seeds
+    real = vectorised.round_seeds
     for swap in (lambda b, n: (b, n + 1), lambda b, n: (b + 1, n)):  # other noise, other Poisson batches
-        monkeypatch.setattr(lora_cohort, "round_seeds", lambda ctx, swap=swap: swap(*real(ctx)))
+        monkeypatch.setattr(vectorised, "round_seeds", lambda ctx, swap=swap: swap(*real(ctx)))
         together = train_lora_cohort(lrn, arrays, ctxs({LORA_TRAIN_A: False}), 8)
         gaps = [max(float((t.arrays[k] - s.arrays[k]).abs().max()) for k in s.arrays) for s, t in zip(seq, together)]
         assert min(gaps) > 100 * ATOL
