@@ -167,12 +167,15 @@ class InProcessGrid(DriverGrid):
         """
         direct = [self.spec is not None and m.metadata.message_type in _DIRECT for m in messages]
         self._prime_seeds([m for m, d in zip(messages, direct) if d and m.metadata.message_type == MessageType.TRAIN])
-        calls = [self._learner_call(m) if d else functools.partial(self._call, m) for m, d in zip(messages, direct)]
+        cfg = self.spec.cfg if self.spec is not None else None  # parsed once for the round's calls and replies
+        configs: dict[int, tuple[Any, dict[str, Any]]] = {}  # round configs read so far (see node_context)
+        calls = [self._learner_call(m, cfg, configs) if d else functools.partial(self._call, m)
+                 for m, d in zip(messages, direct)]
         outcomes = call_all_with_deadline(calls, self.call_limit(), self.threads)
         replies = {}
         for msg, is_direct, (ok, value) in zip(messages, direct, outcomes):
             if is_direct:
-                reply = self._learner_reply(msg, value) if ok else _failure(msg, value)
+                reply = self._learner_reply(msg, value, cfg) if ok else _failure(msg, value)
             elif ok:
                 reply = value
             elif isinstance(value, ClientTimeout):  # abandoned (a learner it was inside is dropped for a fresh one)
@@ -201,7 +204,8 @@ class InProcessGrid(DriverGrid):
         except Exception:  # a malformed message: its own call reports it
             return
 
-    def _learner_call(self, msg: Message) -> Callable[[], Any]:
+    def _learner_call(self, msg: Message, cfg: Any = None,
+                      configs: dict[int, tuple[Any, dict[str, Any]]] | None = None) -> Callable[[], Any]:
         """The direct call answering ``msg``, prepared here, on the server thread, in one loop over the
         round's messages (its node context, its injected fault), so the worker runs little besides the
         learner; a preparation that fails is raised by the call, as inside the ClientApp."""
@@ -210,16 +214,18 @@ class InProcessGrid(DriverGrid):
         try:
             if msg.metadata.message_type == MessageType.QUERY:
                 return functools.partial(query_reply, msg, context)
-            return learner_call(self.spec, msg, context, msg.metadata.message_type)
+            return learner_call(self.spec, msg, context, msg.metadata.message_type, cfg, configs)
         except Exception as exc:
             return functools.partial(_raise, exc)
 
-    def _learner_reply(self, msg: Message, result: Any) -> Message:
+    def _learner_reply(self, msg: Message, result: Any, cfg: Any = None) -> Message:
         """The reply fedsim's ClientApp builds from the learner's result (an error reply if that fails)."""
         try:
             kind = msg.metadata.message_type
             if kind == MessageType.TRAIN:
-                return result_reply(msg, result, self.spec.cfg if self.spec is not None else None)
+                if cfg is None and self.spec is not None:
+                    cfg = self.spec.cfg
+                return result_reply(msg, result, cfg)
             return evaluate_reply(msg, result) if kind == MessageType.EVALUATE else result
         except Exception as exc:
             return failure_reply(msg, exc)

@@ -315,10 +315,17 @@ def check_device(cfg: C.ExperimentConfig, learner: type) -> None:
         resolve_device(device)
 
 
-def node_context(msg: Message, context: Context, cfg: C.ExperimentConfig):  # -> clients.NodeContext
+def node_context(msg: Message, context: Context, cfg: C.ExperimentConfig,
+                 configs: dict[int, tuple[Any, dict[str, Any]]] | None = None):  # -> clients.NodeContext
+    """The learner's view of ``msg``'s node and round.
+
+    ``configs``: a cache, by record identity, of round configs already read in this loop over a round's
+    messages (a strategy sends every client the same ConfigRecord object); each context still gets a
+    dict of its own.
+    """
     from fedsim.contracts.learner import NodeContext  # the contract module, not a concrete learner
 
-    config = dict(msg.content["config"]) if "config" in msg.content else {}
+    config = _round_config(msg, configs)
     return NodeContext(
         partition_id=int(context.node_config["partition-id"]),
         num_partitions=int(context.node_config["num-partitions"]),
@@ -327,6 +334,19 @@ def node_context(msg: Message, context: Context, cfg: C.ExperimentConfig):  # ->
         state=context.state,
         config=config,
     )
+
+
+def _round_config(msg: Message, configs: dict[int, tuple[Any, dict[str, Any]]] | None) -> dict[str, Any]:
+    content = msg.content
+    if "config" not in content:
+        return {}
+    record = content["config"]
+    if configs is None:
+        return dict(record)
+    held = configs.get(id(record))
+    if held is None or held[0] is not record:
+        held = configs[id(record)] = (record, dict(record))
+    return dict(held[1])
 
 
 #: Round-config key the engine sets when it resends a failed client's message (0 = first try).
@@ -455,13 +475,15 @@ def query_reply(msg: Message, context: Context) -> Message:
     return Message(RecordDict({"metrics": MetricRecord({PARTITION_ID: pid})}), reply_to=msg)
 
 
-def learner_call(spec: RunSpec, msg: Message, context: Context, method: str) -> Callable[[], Any]:
+def learner_call(spec: RunSpec, msg: Message, context: Context, method: str, cfg: C.ExperimentConfig | None = None,
+                 configs: dict[int, tuple[Any, dict[str, Any]]] | None = None) -> Callable[[], Any]:
     """What fedsim's ClientApp does for a ``train`` / ``evaluate`` message, as a call to run later: the
     injected fault (training only), then the learner's method on the message's arrays, returning its
     :class:`~fedsim.contracts.learner.TrainResult` / ``EvalResult`` (:func:`train_reply` / :func:`evaluate_reply`
-    make the reply).  The learner is looked up when the call runs (a timeout may have replaced it)."""
-    cfg = spec.cfg
-    ctx = node_context(msg, context, cfg)
+    make the reply).  The learner is looked up when the call runs (a timeout may have replaced it).
+    ``cfg``: ``spec.cfg`` when the caller has it already; ``configs``: :func:`node_context`'s cache."""
+    cfg = spec.cfg if cfg is None else cfg
+    ctx = node_context(msg, context, cfg, configs)
     fault = (injected_fault(cfg, ctx.partition_id, ctx.server_round, int(ctx.config.get(ATTEMPT, 0)))
              if method == "train" else None)  # decided now (it is seeded), carried out when the call runs
     threads = cfg.engine.threads_per_client

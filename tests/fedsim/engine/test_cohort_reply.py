@@ -8,6 +8,7 @@ aggregation is FedAvg's own.
 from __future__ import annotations
 
 import pickle
+import time
 
 import numpy as np
 import pytest
@@ -134,6 +135,26 @@ def test_result_reply_builds_train_replys_content_only_when_read() -> None:
         np.testing.assert_array_equal(content["arrays"][key].numpy(), plain.content["arrays"][key].numpy())
     restored = pickle.loads(pickle.dumps(result_reply(msg, result)))
     assert type(restored) is Message and dict(restored.content["metrics"]) == dict(plain.content["metrics"])
+
+
+def test_a_result_replys_metadata_is_what_flowers_reply_constructor_gives() -> None:
+    """ResultReply builds its metadata directly (records.reply_metadata): every field Flower's
+    ``Message(content, reply_to=...)`` sets, equal, the TTL limited to the instruction's expiry."""
+    msg = instruction(6)
+    msg.metadata.__dict__["_group_id"] = "round-3"
+    before = time.time()
+    lazy = result_reply(msg, results(1)[0])
+    plain = Message(RecordDict(), reply_to=msg)
+    assert set(lazy.__dict__) >= set(plain.__dict__)  # no attribute of Flower's Message is missing
+    fast, flower = lazy.metadata.__dict__, plain.metadata.__dict__
+    assert set(fast) == set(flower)
+    timing = {"_created_at", "_ttl"}
+    assert {k: v for k, v in fast.items() if k not in timing} == {k: v for k, v in flower.items() if k not in timing}
+    assert before <= fast["_created_at"] <= flower["_created_at"]
+    expiry = msg.metadata.created_at + msg.metadata.ttl
+    assert fast["_created_at"] + fast["_ttl"] == pytest.approx(expiry) == flower["_created_at"] + flower["_ttl"]
+    assert lazy.metadata.src_node_id == 6 and lazy.metadata.dst_node_id == msg.metadata.src_node_id
+    assert lazy.metadata.group_id == "round-3" and lazy.metadata.message_type == MessageType.TRAIN
 
 
 def test_result_reply_content_can_be_replaced() -> None:

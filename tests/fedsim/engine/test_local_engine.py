@@ -231,3 +231,25 @@ def test_a_vectorised_lora_round_is_the_sequential_round(monkeypatch, privacy) -
     assert compared >= 2  # the clients' mean train loss of both rounds at least
     for key, value in seq.final_arrays.items():
         assert float((together.final_arrays[key] - value).abs().max()) <= 1e-4, key
+
+
+def test_a_rounds_contexts_share_no_config_dict() -> None:
+    """node_context reads a ConfigRecord once per loop over a round's messages (the cache), yet every
+    context gets a dict of its own, and a different record is never answered from another's entry."""
+    from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
+
+    from fedsim.engine.local import server_identity
+    from fedsim.engine.runtime import node_context
+
+    cfg = small("fedavg_digits", clients=3)
+    shared, other = ConfigRecord({"server-round": 2, "lr": 0.1}), ConfigRecord({"server-round": 2, "lr": 0.5})
+    with server_identity(1):
+        msgs = [Message(RecordDict({"config": c}), n, MessageType.TRAIN) for n, c in ((1, shared), (2, shared), (3, other))]
+    nodes = [Context(run_id=1, node_id=n, node_config={"partition-id": n - 1, "num-partitions": 3}, state=RecordDict(),
+                     run_config={}) for n in (1, 2, 3)]
+    configs: dict = {}
+    a, b, c = (node_context(m, ctx, cfg, configs) for m, ctx in zip(msgs, nodes))
+    assert a.config == b.config == {"server-round": 2, "lr": 0.1} and c.config == {"server-round": 2, "lr": 0.5}
+    a.config["lr"] = 9.0  # a learner writing its context's config
+    assert b.config["lr"] == 0.1 and node_context(msgs[1], nodes[1], cfg, configs).config["lr"] == 0.1
+    assert [x.partition_id for x in (a, b, c)] == [0, 1, 2] and a.server_round == 2
