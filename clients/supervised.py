@@ -41,8 +41,8 @@ from torch import nn
 from fedsim.contracts.learner import EvalResult, Learner, NodeContext, StateDict, TrainResult
 from fedsim.contracts.learner import local_steps as num_local_steps
 from fedsim.contracts.transforms import apply_transforms
-from fedsim.contracts.wire import LORA_TRAIN_A, LORA_TRAIN_B, PROXIMAL_MU
-from clients.model_state import FreshOptimiser, load_state
+from fedsim.contracts.wire import LORA_TRAIN_A, LORA_TRAIN_B, PROXIMAL_MU, TRANSFORM_KEY
+from clients.model_state import FreshOptimiser, load_state, model_layout
 from envs.federated import FederatedData, load_federated_data_cached
 from envs.plots import plot_label_histogram
 from fedsim.config import ExperimentConfig
@@ -206,9 +206,10 @@ class SupervisedLearner(Learner):
     @staticmethod
     def _reply_arrays(model: nn.Module) -> StateDict:
         """Everything for plain models; only what was trained for adapter models (fresh host copies)."""
+        if not hasattr(model, "federated_keys"):
+            return model_layout(model).host_state(model)
         state = model.state_dict()
-        keys = model.trainable_keys() if hasattr(model, "federated_keys") else list(state)
-        return {k: to_host(state[k]) for k in keys}
+        return {k: to_host(state[k]) for k in model.trainable_keys()}
 
     # -- privacy --------------------------------------------------------------------------------
     def privacy_plan(self, partition_id: int) -> ClientPrivacyPlan:
@@ -291,7 +292,10 @@ class SupervisedLearner(Learner):
         self._anchor = ([p.detach().clone() for p in model.parameters() if p.requires_grad]
                         if PROXIMAL_MU in ctx.config else None)
         transformed = apply_transforms(model, ctx.config)
-        model.train()
+        # _load's load_state checked the model's layout: look again only where something since may have changed it
+        checked = type(self)._load is SupervisedLearner._load and not hasattr(model, "federated_keys")
+        layout = model_layout(model, check=not checked or TRANSFORM_KEY in ctx.config)
+        layout.train_mode(model)
         seed_torch(ctx.seed("torch"))  # dropout and any other global-RNG use
         # a fresh optimiser each round, as in FedAvg (Opacus wraps the DP one, so that one is built anew;
         # the plain one is reused with its state cleared, which is what a new one holds)
@@ -299,7 +303,7 @@ class SupervisedLearner(Learner):
             with self._client_draws(model, ctx):
                 mean_loss, steps, extra = self._train_private(model, x, y, ctx, make_optimizer(model, self.cfg))
         else:
-            optimizer = self._fresh_optimiser(model)
+            optimizer = self._fresh_optimiser(model, layout.trainable())
             with self._client_draws(model, ctx):
                 mean_loss = self._train_plain(model, x, y, ctx, optimizer)
             steps, extra = num_local_steps(len(y), self.cfg), {}
