@@ -440,14 +440,16 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             f"reduction {spec.asha.reduction_factor:g})" if spec.asha else "")
     grid = f", grid {dict(spec.grid)}" if spec.grid or not spec.samples else ""
     gpus = f" and {spec.gpus_per_trial:g} GPU(s)" if spec.gpus_per_trial > 0 else ""
-    console.print(f"[bold]sweep {name}[/bold]: {spec.experiment}{grid}{search}{asha}, "
-                  f"{len(spec.seeds)} seeds, {spec.cpus_per_trial:g} CPU(s){gpus} per trial", highlight=False)
-    with console.status("starting Ray ...") as status:
+    summary = (f"[bold]sweep {name}[/bold]: {spec.experiment}{grid}{search}{asha}, "
+               f"{len(spec.seeds)} seeds, {spec.cpus_per_trial:g} CPU(s){gpus} per trial")
+    with console.status("checking the trials ...") as status:
         results, parent, progress = run_sweep(
             name, spec, tracking_uri=args.tracking_uri, address=args.address, resume_parent=args.resume,
             on_progress=lambda p: status.update(p.line()) if console.is_terminal
             else console.print(p.line(), highlight=False),  # a log file gets one line per change
-            on_message=lambda msg: console.print(f"[red]{msg}[/red]", highlight=False))
+            on_message=lambda msg: console.print(f"[red]{msg}[/red]", highlight=False),
+            # the summary once the trials are known to be valid: a config error stays the only line
+            on_checked=lambda: (console.print(summary, highlight=False), status.update("starting Ray ...")))
     console.print(progress.line(), highlight=False)
     _print_table(console, f"sweep {name}: mean ± std over {len(spec.seeds)} seeds", results_table_rows(spec, results))
     for child, stop_round in sorted(progress.stops.items()):

@@ -534,9 +534,11 @@ def run_sweep(
     resume_parent: str | None = None,
     on_progress: Callable[[SweepProgress], None] = lambda p: None,
     on_message: Callable[[str], None] = lambda msg: None,
+    on_checked: Callable[[], None] = lambda: None,
 ) -> tuple[list[ConfigResult], str, SweepProgress]:
     """Run the grid (× random-search samples) × seeds on Ray Tune; returns the per-configuration
-    results, the parent run id and the trial counts."""
+    results, the parent run id and the trial counts.  ``on_checked`` is called once every trial's
+    config, the resources and the tracking store have been checked, before anything is recorded."""
     from fedsim.tracking import MlflowRecorder, git_commit, resolve_tracking_uri
 
     configs = sweep_settings(spec)
@@ -566,7 +568,9 @@ def run_sweep(
                 raise ConfigError(f"--resume {parent.run_id}: that sweep ran with {key}={logged.get(key, '')!r}, "
                                   f"not {str(params.get(key, ''))!r}; resume it with the same search")
         done = _finished_children(parent, params)
+        on_checked()
     else:
+        on_checked()
         parent = MlflowRecorder(uri, tracking.experiment, run_name=f"sweep-{name}",
                                 tags={"experiment": f"sweep/{name}", "kind": "sweep", "git_commit": git_commit()})
         parent.log_params({**params, "cpus_per_trial": spec.cpus_per_trial,

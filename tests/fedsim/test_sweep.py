@@ -83,6 +83,7 @@ def test_the_gpus_per_trial_flag_reaches_the_sweep(gpus, summary, monkeypatch, c
 
     def fake_run_sweep(name, spec, **kwargs):
         seen.append(spec)
+        kwargs["on_checked"]()  # the trials checked: the summary is printed now
         raise ConfigError("stopped by the test")
 
     monkeypatch.setenv("COLUMNS", "300")
@@ -120,8 +121,10 @@ def test_no_cuda_gpu_is_a_one_line_error_with_the_fix(fake_gpus, monkeypatch, tm
     fake_gpus(0)
     monkeypatch.chdir(tmp_path)
     assert main(["sweep", "fedavg_digits", "--grid", "rounds=1", "--gpus-per-trial", "1"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    out, err = capsys.readouterr()
+    err = err.strip().splitlines()
     assert len(err) == 1 and "make install-gpu" in err[0]
+    assert "per trial" not in out  # no summary of a sweep that never starts
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "fedsim-sweeps").exists()
 
 
