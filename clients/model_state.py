@@ -54,26 +54,29 @@ def _fingerprint(modules: list[nn.Module]) -> list[tuple[Any, ...]]:
 
 
 class ModelLayout:
-    """A model's module list, state-dict entries (the tensors themselves) and parameters, with what its
+    """A model's submodules, state-dict entries (the tensors themselves) and parameters, with what its
     modules do beyond torch's generic behaviour.  Built by :func:`model_layout`; valid while its
     :attr:`fingerprint` matches the model's."""
 
-    __slots__ = ("modules", "fingerprint", "state", "params", "plain_save", "plain_load", "plain_train", "__weakref__")
+    __slots__ = ("submodules", "fingerprint", "state", "params", "plain_save", "plain_load", "plain_train")
 
     def __init__(self, model: nn.Module) -> None:
-        self.modules = list(model.modules())
-        self.fingerprint = _fingerprint(self.modules)
+        modules = list(model.modules())
+        # the model itself is not held: layouts are kept in a WeakKeyDictionary keyed by the model, which a
+        # value referring to its key would keep alive (torch's submodules do not refer to their parent)
+        self.submodules = modules[1:]
+        self.fingerprint = _fingerprint(modules)
         self.state = model.state_dict(keep_vars=True)  # key -> the model's own Parameter / buffer
         self.params = list(model.parameters())
         # state_dict() is the walk alone: no hook or override changes what it returns
         self.plain_save = all(type(m)._save_to_state_dict is _BASE._save_to_state_dict
                               and type(m).get_extra_state is _BASE.get_extra_state
-                              and not m._state_dict_hooks and not m._state_dict_pre_hooks for m in self.modules)
+                              and not m._state_dict_hooks and not m._state_dict_pre_hooks for m in modules)
         # load_state_dict() only copies (BatchNorm, for one, does more)
         self.plain_load = self.plain_save and all(
             type(m)._load_from_state_dict is _BASE._load_from_state_dict
-            and not m._load_state_dict_pre_hooks and not m._load_state_dict_post_hooks for m in self.modules)
-        self.plain_train = all(type(m).train is _BASE.train for m in self.modules)
+            and not m._load_state_dict_pre_hooks and not m._load_state_dict_post_hooks for m in modules)
+        self.plain_train = all(type(m).train is _BASE.train for m in modules)
 
     def trainable(self) -> list[torch.Tensor]:
         """``[p for p in model.parameters() if p.requires_grad]``."""
@@ -81,7 +84,7 @@ class ModelLayout:
 
     def train_mode(self, model: nn.Module) -> None:
         """``model.train()``: nothing to do when every module is in training mode and none overrides ``train``."""
-        if not self.plain_train or not all(m.training for m in self.modules):
+        if not self.plain_train or not model.training or not all(m.training for m in self.submodules):
             model.train()
 
     def host_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -95,7 +98,7 @@ def model_layout(model: nn.Module, check: bool = True) -> ModelLayout:
     else found anew through torch.  ``check=False`` skips the comparison: for a caller that checked it during
     the same call and ran nothing since that could have changed the model's structure."""
     layout = _layouts.get(model)
-    if layout is None or (check and _fingerprint(layout.modules) != layout.fingerprint):
+    if layout is None or (check and _fingerprint([model, *layout.submodules]) != layout.fingerprint):
         layout = _layouts[model] = ModelLayout(model)
     return layout
 

@@ -116,7 +116,7 @@ def assert_layout_is_torchs(model: nn.Module) -> None:
     state = model.state_dict(keep_vars=True)
     assert list(layout.state) == list(state) and all(layout.state[k] is v for k, v in state.items())
     assert [id(p) for p in layout.params] == [id(p) for p in model.parameters()]
-    assert layout.modules == list(model.modules())
+    assert [model, *layout.submodules] == list(model.modules())
     copies, plain = layout.host_state(model), model.state_dict()
     assert list(copies) == list(plain)
     for k, v in copies.items():
@@ -200,3 +200,15 @@ def test_the_fresh_optimiser_takes_the_parameters_it_is_given() -> None:
     first = fresh(model, model_layout(model).trainable())
     assert fresh(model) is first  # the same tensors, found either way
     assert [id(p) for p in first.param_groups[0]["params"]] == [id(p) for p in model.parameters()]
+
+
+def test_a_kept_layout_does_not_keep_its_model_alive() -> None:
+    import gc
+    import weakref
+
+    model = Scaled()
+    model_layout(model)
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None
