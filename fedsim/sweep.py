@@ -50,6 +50,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from fedsim import config as C
 from fedsim.errors import ConfigError
+from fedsim.engine.ray_address import check_cluster, joining
 from fedsim.validation import check_interpolations, check_writable_dir
 from fedsim.reproduce import (
     EPS_KEY,
@@ -410,9 +411,11 @@ def _check_asha(asha: AshaSpec) -> None:
         raise ConfigError(f"--reduction-factor must be > 1, got {asha.reduction_factor}")
 
 
-def trial_config(spec: SweepSpec, setting: dict[str, Any], seed: int) -> C.ExperimentConfig:
+def trial_config(spec: SweepSpec, setting: dict[str, Any], seed: int, *,
+                 gpus_here: bool = True) -> C.ExperimentConfig:
     """One trial's config: the in-process engine, ``cpus_per_trial`` torch threads, ``engine.device=cuda``
-    when it reserves GPUs, absolute paths."""
+    when it reserves GPUs, absolute paths.  ``gpus_here=False``: the trials run on a Ray cluster's nodes
+    (``--address``), so a CUDA device is looked for there (by the trial), not on this machine."""
     from fedsim.engine.runtime import RunSpec
     from fedsim.runner import preflight
 
@@ -425,7 +428,13 @@ def trial_config(spec: SweepSpec, setting: dict[str, Any], seed: int) -> C.Exper
     cfg.engine.checkpoint_dir = str(Path(cfg.engine.checkpoint_dir).expanduser().resolve())
     if cfg.engine.checkpoint and cfg.tracking.enabled:
         check_writable_dir(cfg.engine.checkpoint_dir, "engine.checkpoint_dir")
-    preflight(RunSpec.from_config(cfg))  # unknown components and bad params fail here, before Ray starts
+    device = cfg.engine.device
+    if not gpus_here:  # the device is resolved where the trial runs; every other check is made here
+        cfg.engine.device = "cpu"
+    try:
+        preflight(RunSpec.from_config(cfg))  # unknown components and bad params fail here, before Ray starts
+    finally:
+        cfg.engine.device = device
     return cfg
 
 
@@ -502,7 +511,8 @@ def _on_cluster(address: str | None) -> bool:
 def preflight_resources(spec: SweepSpec, address: str | None) -> None:
     """Before Ray or MLflow start: a local Ray cannot give a trial more CPUs (or GPUs) than this machine has."""
     if _on_cluster(address):
-        return  # a cluster's CPUs and GPUs are known once connected (checked again in _run_trials)
+        check_cluster(address, "--address")  # it answers; its CPUs and GPUs are known once connected (_run_trials)
+        return
     cpus = os.cpu_count() or 1
     if spec.cpus_per_trial > cpus:
         raise ConfigError(f"cpus_per_trial={spec.cpus_per_trial:g} exceeds the {cpus} CPUs of this machine; "
@@ -542,8 +552,11 @@ def run_sweep(
     from fedsim.tracking import MlflowRecorder, git_commit, resolve_tracking_uri
 
     configs = sweep_settings(spec)
-    check_cuda(spec)  # before the trials' configs resolve engine.device=cuda
-    trials = [(t, seed, trial_config(spec, t.setting, seed)) for t in configs for seed in spec.seeds]  # validate all first
+    here = not _on_cluster(address)  # on a cluster, its GPUs are counted once connected (trials_at_once)
+    if here:
+        check_cuda(spec)  # before the trials' configs resolve engine.device=cuda
+    trials = [(t, seed, trial_config(spec, t.setting, seed, gpus_here=here))
+              for t in configs for seed in spec.seeds]  # validate all first
     tracking = trials[0][2].tracking
     if not tracking.enabled:
         raise ConfigError("a sweep records its trials as MLflow child runs; remove tracking.enabled=false")
@@ -620,11 +633,12 @@ def _run_trials(pending: list[tuple[str, C.ExperimentConfig]], uri: str, parent_
 
     started_here = False
     if not ray.is_initialized():
-        address = address or os.environ.get("RAY_ADDRESS")
+        joined = address or os.environ.get("RAY_ADDRESS")
         os.environ.setdefault("RAY_CHDIR_TO_TRIAL_DIR", "0")  # trials keep the driver's working directory
         os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")  # no CSV/JSON/TensorBoard loggers
-        ray.init(address=address, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
-                 runtime_env={"env_vars": {"RAY_CHDIR_TO_TRIAL_DIR": "0"}} if address else None)
+        with joining(address, "--address"):
+            ray.init(address=joined, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
+                     runtime_env={"env_vars": {"RAY_CHDIR_TO_TRIAL_DIR": "0"}} if joined else None)
         started_here = True
     try:
         concurrent = trials_at_once(spec, ray.cluster_resources())

@@ -32,6 +32,7 @@ from flwr.serverapp import Grid
 
 from fedsim.engine import reaper
 from fedsim.engine.driver import error_reply
+from fedsim.engine.ray_address import check_ray_address, joining
 from fedsim.contracts.history import RoundObserver
 from fedsim.engine.runtime import RunSpec, bounded_wait, build_client_app, client_call_limit
 from fedsim.engine.server import ServerResult, run_server
@@ -108,6 +109,7 @@ def backend_config(spec: RunSpec) -> dict[str, Any]:
     init_args: dict[str, Any] = {"log_to_driver": False, "logging_level": logging.ERROR,
                                  "include_dashboard": False}
     if fc.address:
+        check_ray_address(fc.address, "engine.flower.address")
         init_args["address"] = fc.address
     else:
         cpus = fc.ray_num_cpus or os.cpu_count() or 1
@@ -236,7 +238,7 @@ def _init_ray(config: dict[str, Any]) -> bool:
     if "address" not in config["init_args"]:
         reaper.ensure_started()  # the agents of a local Ray must not outlive a killed driver
     pythonpath = os.pathsep.join([*sys.path, *([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])])
-    with signal_handlers_kept():
+    with signal_handlers_kept(), joining(config["init_args"].get("address"), "engine.flower.address"):
         ray.init(runtime_env={"env_vars": {"PYTHONPATH": pythonpath}}, **{"include_dashboard": False,
                                                                             **config["init_args"]})
     return True

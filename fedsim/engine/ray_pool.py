@@ -74,6 +74,7 @@ from flwr.common.constant import SUPERLINK_NODE_ID
 from fedsim import config as C
 from fedsim.engine import reaper
 from fedsim.engine.driver import DriverGrid, call_client_app, error_reply, task_identity
+from fedsim.engine.ray_address import check_cluster, joining
 from fedsim.contracts.history import RoundObserver
 from fedsim.engine.runtime import (ClientTimeout, RunSpec, build_client_app, call_all_with_deadline, client_call_limit,
                                    warm_learner)
@@ -185,6 +186,8 @@ def check_ray_resources(spec: RunSpec) -> None:
         raise ConfigError(f"engine.ray.client_resources: partitions {bad} outside 0..{cfg.num_clients - 1}; drop them")
     if _ray_address(rc) is None:
         check_fit(rc, *_local_resources(rc))
+    else:  # a cluster that does not answer: one line now, not minutes of Ray retrying
+        check_cluster(rc.address, "engine.ray.address")
 
 
 # -- the actor ------------------------------------------------------------------------------------
@@ -620,8 +623,8 @@ def _init_ray(cfg: C.ExperimentConfig) -> bool:
     else:
         args["num_cpus"] = rc.ray_num_cpus or os.cpu_count() or 1
         reaper.ensure_started()  # the agents of a local Ray must not outlive a killed driver
-    with signal_handlers_kept():  # ray.init's own SIGTERM handler would end the run FAILED, not KILLED
-        ray.init(**args)
+    with signal_handlers_kept(), joining(rc.address, "engine.ray.address"):  # ray.init's own SIGTERM
+        ray.init(**args)  # handler would end the run FAILED, not KILLED
     return True
 
 

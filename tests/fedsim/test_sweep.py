@@ -15,6 +15,7 @@ from fedsim.sweep import (
     load_sweep,
     parse_grid,
     preflight_resources,
+    run_sweep,
     trial_config,
     trial_device,
     trial_resources,
@@ -53,6 +54,18 @@ def test_sweep_specs_and_their_errors() -> None:
 
 
 # -- gpus_per_trial ---------------------------------------------------------------------------------
+@pytest.fixture
+def head_address():
+    """The address of a port that accepts connections, standing in for a cluster's head (the sweep
+    checks that its --address answers before anything else)."""
+    import socket
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        yield f"127.0.0.1:{server.getsockname()[1]}"
+
+
 @pytest.fixture
 def fake_gpus(monkeypatch: pytest.MonkeyPatch):
     """Make torch report ``n`` CUDA GPUs (this machine may have none); returns the setter."""
@@ -128,16 +141,45 @@ def test_no_cuda_gpu_is_a_one_line_error_with_the_fix(fake_gpus, monkeypatch, tm
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "fedsim-sweeps").exists()
 
 
-def test_more_gpus_per_trial_than_this_machine_has(fake_gpus, monkeypatch) -> None:
+def test_more_gpus_per_trial_than_this_machine_has(fake_gpus, monkeypatch, head_address) -> None:
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     fake_gpus(1)
     with pytest.raises(ConfigError, match=r"gpus_per_trial=2 exceeds the 1 GPU\(s\) of this machine; lower it "
                                           r"\(--gpus-per-trial\)"):
         preflight_resources(SweepSpec(experiment="fedavg_digits", gpus_per_trial=2), None)
     preflight_resources(SweepSpec(experiment="fedavg_digits", gpus_per_trial=1), None)
-    preflight_resources(SweepSpec(experiment="fedavg_digits", gpus_per_trial=2), "auto")  # a cluster's: checked by Ray
+    preflight_resources(SweepSpec(experiment="fedavg_digits", gpus_per_trial=2), head_address)  # checked by Ray
     fake_gpus(0)
     preflight_resources(SweepSpec(experiment="fedavg_digits"), None)  # CPU trials: no GPU needed
+
+
+class Checked(Exception):
+    """Raised by ``on_checked``: the sweep passed its checks (and would now record and start Ray)."""
+
+
+def _raise_checked() -> None:
+    raise Checked
+
+
+def test_gpu_trials_on_a_cluster_look_for_the_gpus_there(fake_gpus, monkeypatch, tmp_path, head_address) -> None:
+    """With --address (or RAY_ADDRESS) the trials run on the cluster's nodes: this machine needs no GPU
+    (the cluster's are counted once connected), while a local sweep still needs one here."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.chdir(tmp_path)
+    fake_gpus(0)
+    _, spec = load_sweep("fedavg_digits", grid=["rounds=1"], gpus_per_trial=1)
+    with pytest.raises(ConfigError, match="torch sees no CUDA GPU here"):
+        run_sweep("gpu", spec, on_checked=_raise_checked)
+    with pytest.raises(ConfigError, match="sees no CUDA GPU"):
+        trial_config(spec, {}, seed=0)  # the device is resolved on this machine
+    cfg = trial_config(spec, {}, seed=0, gpus_here=False)
+    assert cfg.engine.device == "cuda"  # kept for the trial (checked there), not swapped for the check
+    with pytest.raises(Checked):
+        run_sweep("gpu", spec, address=head_address, on_checked=_raise_checked)
+    monkeypatch.setenv("RAY_ADDRESS", head_address)
+    with pytest.raises(Checked):
+        run_sweep("gpu", spec, on_checked=_raise_checked)
+    assert not (tmp_path / "fedsim-sweeps").exists()
 
 
 def test_trial_resources_are_cpus_and_gpus_only_when_asked() -> None:
