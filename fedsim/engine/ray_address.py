@@ -74,8 +74,9 @@ def check_ray_address(address: str, flag: str, timeout_s: float = CONNECT_TIMEOU
 def _resolve_auto(flag: str) -> str:
     """``auto`` as ``ray.init`` resolves it: the cluster ``RAY_ADDRESS`` names, the one ``ray start``
     recorded, or a running GCS on this machine."""
-    from ray._private.services import canonicalize_bootstrap_address
+    from ray._private.services import canonicalize_bootstrap_address, find_gcs_addresses
 
+    find_gcs_addresses.cache_clear()  # Ray keeps what it found once for the life of the process: look again
     try:
         resolved = canonicalize_bootstrap_address("auto")
     except ConnectionError:

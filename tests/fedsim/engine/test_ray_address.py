@@ -137,6 +137,18 @@ def test_the_cli_exits_2_on_one_line_and_records_nothing(argv, flag, no_ray_here
 
 @pytest.mark.slow  # the one-at-a-time group: no other test's Ray cluster runs meanwhile
 def test_auto_finds_a_running_ray_and_refuses_when_there_is_none(no_ray_here) -> None:
+    import ray
+    from ray._private.services import find_gcs_addresses
+
+    ray.shutdown()  # a session an earlier test of this worker left (no-op when none)
+    deadline = time.monotonic() + 30  # a cluster that just ended takes a moment to exit
+    while True:
+        find_gcs_addresses.cache_clear()
+        running = find_gcs_addresses()
+        if not running or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert not running, f"a Ray cluster outlived its test: GCS at {sorted(running)}"
     with pytest.raises(ConfigError, match=r"^engine.ray.address=auto but no Ray cluster runs on this machine; "
                                           r"start one \(`ray start --head`\)"):
         check_ray_address("auto", "engine.ray.address")
