@@ -3,25 +3,16 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.script_modules import load_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    name = "bench_engine"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "bench_engine.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # needed to ship its functions to Ray workers by value
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return load_script("benchmarks/bench_engine.py", register=True)  # its functions go to Ray workers by value
 
 
 @pytest.fixture

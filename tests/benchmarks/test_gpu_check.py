@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -10,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.script_modules import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
@@ -49,10 +50,7 @@ def test_without_a_gpu_the_check_says_so(tmp_path) -> None:
 
 @pytest.fixture(scope="module")
 def gpu_minilm():
-    spec = importlib.util.spec_from_file_location("gpu_minilm", ROOT / "benchmarks" / "gpu_minilm.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/gpu_minilm.py")
 
 
 def test_minilm_travels_at_half_size_and_comes_back_as_float32(gpu_minilm, tmp_path) -> None:

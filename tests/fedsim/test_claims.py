@@ -15,6 +15,7 @@ from fedsim import claims as V
 from fedsim.cli import main
 from fedsim.contracts.history import History, RoundRecord
 from fedsim.errors import ConfigError, RunFailedError
+from tests.script_modules import load_script
 
 
 # -- the verdict module -------------------------------------------------------------------------
@@ -510,13 +511,7 @@ def test_supervised_server_evaluation_logs_val_metrics(in_tmp) -> None:
 
 # -- docs/claims.md ------------------------------------------------------------------------------
 def _claims_doc():
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[2] / "scripts" / "claims_doc.py"
-    spec = importlib.util.spec_from_file_location("claims_doc", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/claims_doc.py")
 
 
 def test_docs_claims_md_is_generated_and_up_to_date() -> None:

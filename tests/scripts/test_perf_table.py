@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+from tests.script_modules import load_script
 
-ROOT = Path(__file__).resolve().parents[2]
 HEADER = "workload,system,system_name,total_s,rounds_s,later_round_s,accuracy,max_weight_diff,fedsim_over_raw," \
          "flower_over_fedsim,note,rounds,cpu_count\n"
 
 
 def perf_table():
-    spec = importlib.util.spec_from_file_location("perf_table", ROOT / "scripts" / "perf_table.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/perf_table.py")
 
 
 def test_docs_measurements_engine_table_is_up_to_date() -> None:
