@@ -114,7 +114,7 @@ class FlowerEngineConfig:
     client_num_cpus: float = rng("(0, 1024]", 1.0)
     client_num_gpus: float = rng("[0, 64]", 0.0)
     ray_num_cpus: Optional[int] = rng("[1, 4096]", None)  # CPUs Ray may use; None = all of this machine's
-    address: Optional[str] = None  # Ray cluster address ("auto"); None = start a local Ray
+    address: Optional[str] = None  # "auto" / "host:port" / "ray://host:port" joins a cluster; None: $RAY_ADDRESS, else a local Ray
     timeout_s: float = rng("(0, 1e6]", 900.0)  # whole-simulation limit, so a mis-sized request cannot hang forever
 
 

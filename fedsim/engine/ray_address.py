@@ -59,22 +59,29 @@ def check_ray_address(address: str, flag: str, timeout_s: float = CONNECT_TIMEOU
         return
     if address.startswith("ray://"):
         host, port = _host_port(address[len("ray://"):], CLIENT_PORT, address, flag)
+    elif address == "auto":
+        resolved = _resolve_auto(flag)
+        if resolved is None:
+            return  # Ray's lookup is not where it was: ray.init decides (and joining keeps it one line)
+        host, port = _host_port(resolved, GCS_PORT, address, flag)
     else:
-        if address == "auto":
-            address = _resolve_auto(flag)
         host, port = _host_port(address, GCS_PORT, address, flag)
     try:
         socket.create_connection((host, port), timeout=timeout_s).close()
     except OSError as exc:
         reason = "timed out" if isinstance(exc, TimeoutError) else (exc.strerror or type(exc).__name__).lower()
-        raise ConfigError(f"{flag}={address}: no Ray cluster answers at {host}:{port} ({reason}); start its head "
-                          f"there (`ray start --head`) or fix {flag}") from None
+        found = " (found by Ray's lookup)" if address == "auto" else ""
+        raise ConfigError(f"{flag}={address}: no Ray cluster answers at {host}:{port}{found} ({reason}); start its "
+                          f"head there (`ray start --head`) or fix {flag}") from None
 
 
-def _resolve_auto(flag: str) -> str:
+def _resolve_auto(flag: str) -> str | None:
     """``auto`` as ``ray.init`` resolves it: the cluster ``RAY_ADDRESS`` names, the one ``ray start``
-    recorded, or a running GCS on this machine."""
-    from ray._private.services import canonicalize_bootstrap_address, find_gcs_addresses
+    recorded, or a running GCS on this machine (None: this Ray keeps its lookup elsewhere)."""
+    try:  # Ray's own lookup (private; the Ray version is the one flwr[simulation] pins)
+        from ray._private.services import canonicalize_bootstrap_address, find_gcs_addresses
+    except ImportError:
+        return None
 
     find_gcs_addresses.cache_clear()  # Ray keeps what it found once for the life of the process: look again
     try:

@@ -308,7 +308,8 @@ def check_device(cfg: C.ExperimentConfig, learner: type) -> None:
     if e.name == "flower" and e.flower.client_num_gpus <= 0:
         raise ConfigError(f"engine.device={device} on the flower engine needs GPUs for its clients; set "
                           f"engine.flower.client_num_gpus (e.g. 0.5)")
-    remote = (e.name == "ray" and (e.ray.address or os.environ.get("RAY_ADDRESS"))) or (e.name == "flower" and e.flower.address)
+    joins = {"ray": e.ray.address, "flower": e.flower.address}  # None: $RAY_ADDRESS, else a local Ray
+    remote = e.name in joins and bool(joins[e.name] or os.environ.get("RAY_ADDRESS"))
     if not remote:  # this machine runs the clients: the GPU must be here
         from fedsim.device import resolve_device
 

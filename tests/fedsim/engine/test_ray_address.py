@@ -135,6 +135,29 @@ def test_the_cli_exits_2_on_one_line_and_records_nothing(argv, flag, no_ray_here
         assert not client.search_runs(ids)
 
 
+@pytest.mark.parametrize("engine", ["ray", "flower"])
+def test_both_engines_join_the_cluster_ray_address_names(engine, no_ray_here, tmp_path, monkeypatch, capsys) -> None:
+    """RAY_ADDRESS (read by ray.init itself) is a cluster to join for either engine: checked on one line,
+    and the flower engine no longer asks ray.init for local CPUs, which Ray refuses when joining."""
+    from fedsim.engine.flower import backend_config
+    from fedsim.engine.runtime import RunSpec
+    from fedsim.config import load_config
+
+    monkeypatch.chdir(tmp_path)
+    address = f"127.0.0.1:{closed_port()}"
+    monkeypatch.setenv("RAY_ADDRESS", address)
+    assert main(["run", "fedavg_digits", "rounds=1", f"engine.name={engine}"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and f"RAY_ADDRESS={address}: no Ray cluster answers" in lines[0]
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        head = f"127.0.0.1:{server.getsockname()[1]}"
+        monkeypatch.setenv("RAY_ADDRESS", head)
+        init_args = backend_config(RunSpec.from_config(load_config("fedavg_digits")))["init_args"]
+    assert init_args["address"] == head and "num_cpus" not in init_args
+
+
 @pytest.mark.slow  # the one-at-a-time group: no other test's Ray cluster runs meanwhile
 def test_auto_finds_a_running_ray_and_refuses_when_there_is_none(no_ray_here) -> None:
     import ray
