@@ -9,6 +9,7 @@
 #     bash benchmarks/gpu_check.sh                 # everything, results also under $OUT (or gpu-check-out/)
 #     STEPS=svd_kernel,engine_vs_raw bash benchmarks/gpu_check.sh   # only these steps
 #     GPU_CHECK_DEVICE=cpu STEPS=svd_kernel bash benchmarks/gpu_check.sh   # a rehearsal on the CPU
+#     (a whole CPU rehearsal needs STEP_SCALE=3: on 2 cores the LoRA cohort steps take ~140 s of their 90)
 #
 # Steps, most important first (each bounded by its own timeout, scaled by STEP_SCALE, default 1, and run
 # even if an earlier one failed):
