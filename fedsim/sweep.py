@@ -50,7 +50,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from fedsim import config as C
 from fedsim.errors import ConfigError
-from fedsim.engine.ray_address import check_cluster, joining
+from fedsim.engine.ray_address import check_cluster, cluster_address, joining
 from fedsim.validation import check_interpolations, check_writable_dir
 from fedsim.reproduce import (
     EPS_KEY,
@@ -504,8 +504,7 @@ def _on_cluster(address: str | None) -> bool:
     """The sweep joins an existing Ray runtime (whose resources are known once connected)."""
     import sys
 
-    return bool(address or os.environ.get("RAY_ADDRESS")
-                or ("ray" in sys.modules and sys.modules["ray"].is_initialized()))
+    return bool(cluster_address(address) or ("ray" in sys.modules and sys.modules["ray"].is_initialized()))
 
 
 def preflight_resources(spec: SweepSpec, address: str | None) -> None:
@@ -633,7 +632,7 @@ def _run_trials(pending: list[tuple[str, C.ExperimentConfig]], uri: str, parent_
 
     started_here = False
     if not ray.is_initialized():
-        joined = address or os.environ.get("RAY_ADDRESS")
+        joined = cluster_address(address)
         os.environ.setdefault("RAY_CHDIR_TO_TRIAL_DIR", "0")  # trials keep the driver's working directory
         os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")  # no CSV/JSON/TensorBoard loggers
         with joining(address, "--address"):

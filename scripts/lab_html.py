@@ -56,8 +56,7 @@ def lab_names() -> list[str]:
 
 
 def _machine() -> str:
-    cores = os.cpu_count() or 1
-    return f"a {cores}-core CPU machine" if cores > 1 else "a 1-core CPU machine"
+    return f"a {os.cpu_count() or 1}-core CPU machine"
 
 
 def _duration(seconds: float) -> str:

@@ -32,7 +32,7 @@ from flwr.serverapp import Grid
 
 from fedsim.engine import reaper
 from fedsim.engine.driver import error_reply
-from fedsim.engine.ray_address import check_cluster, joining
+from fedsim.engine.ray_address import check_cluster, cluster_address, joining
 from fedsim.contracts.history import RoundObserver
 from fedsim.engine.runtime import RunSpec, bounded_wait, build_client_app, client_call_limit
 from fedsim.engine.server import ServerResult, run_server
@@ -108,7 +108,7 @@ def backend_config(spec: RunSpec) -> dict[str, Any]:
     fc = spec.cfg.engine.flower
     init_args: dict[str, Any] = {"log_to_driver": False, "logging_level": logging.ERROR,
                                  "include_dashboard": False}
-    address = fc.address or os.environ.get("RAY_ADDRESS")  # as ray.init and the ray engine read it
+    address = cluster_address(fc.address)  # as ray.init and the ray engine read it
     if address:  # a cluster's CPUs and GPUs are its own: ray.init refuses num_cpus when joining one
         check_cluster(fc.address, "engine.flower.address")
         init_args["address"] = address

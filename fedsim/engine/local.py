@@ -204,8 +204,8 @@ class InProcessGrid(DriverGrid):
         except Exception:  # a malformed message: its own call reports it
             return
 
-    def _learner_call(self, msg: Message, cfg: Any = None,
-                      configs: dict[int, tuple[Any, dict[str, Any]]] | None = None) -> Callable[[], Any]:
+    def _learner_call(self, msg: Message, cfg: Any,
+                      configs: dict[int, tuple[Any, dict[str, Any]]]) -> Callable[[], Any]:
         """The direct call answering ``msg``, prepared here, on the server thread, in one loop over the
         round's messages (its node context, its injected fault), so the worker runs little besides the
         learner; a preparation that fails is raised by the call, as inside the ClientApp."""
@@ -218,13 +218,11 @@ class InProcessGrid(DriverGrid):
         except Exception as exc:
             return functools.partial(_raise, exc)
 
-    def _learner_reply(self, msg: Message, result: Any, cfg: Any = None) -> Message:
+    def _learner_reply(self, msg: Message, result: Any, cfg: Any) -> Message:
         """The reply fedsim's ClientApp builds from the learner's result (an error reply if that fails)."""
         try:
             kind = msg.metadata.message_type
             if kind == MessageType.TRAIN:
-                if cfg is None and self.spec is not None:
-                    cfg = self.spec.cfg
                 return result_reply(msg, result, cfg)
             return evaluate_reply(msg, result) if kind == MessageType.EVALUATE else result
         except Exception as exc:

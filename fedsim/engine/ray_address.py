@@ -26,28 +26,38 @@ CONNECT_TIMEOUT_S = 5.0
 GCS_PORT, CLIENT_PORT = 6379, 10001
 
 
+def cluster_address(configured: str | None) -> str | None:
+    """The cluster a run or sweep joins: ``configured``, else ``$RAY_ADDRESS`` (as ``ray.init`` reads it),
+    else None (a local Ray is started)."""
+    return configured or os.environ.get("RAY_ADDRESS") or None
+
+
+def _setting(configured: str | None, flag: str) -> tuple[str | None, str]:
+    """:func:`cluster_address` and the setting it came from (``flag``, or ``RAY_ADDRESS``), for errors."""
+    return cluster_address(configured), flag if configured else "RAY_ADDRESS"
+
+
 def check_cluster(configured: str | None, flag: str) -> None:
     """Before joining a cluster: the address a run or sweep joins (``configured``, from ``flag``, else
     ``$RAY_ADDRESS``) answers; nothing to check when it joins none (a local Ray is started)."""
-    if configured:
-        check_ray_address(configured, flag)
-    elif os.environ.get("RAY_ADDRESS"):
-        check_ray_address(os.environ["RAY_ADDRESS"], "RAY_ADDRESS")
+    address, setting = _setting(configured, flag)
+    if address:
+        check_ray_address(address, setting)
 
 
 @contextlib.contextmanager
-def joining(address: str | None, flag: str) -> Iterator[None]:
-    """Around ``ray.init(address=address)``: its failure to join the cluster as one line naming ``flag``
-    (``$RAY_ADDRESS`` when ``address`` is None and the variable is set); other errors pass through."""
+def joining(configured: str | None, flag: str) -> Iterator[None]:
+    """Around ``ray.init``: its failure to join the cluster (``configured``, from ``flag``, else
+    ``$RAY_ADDRESS``) as one line naming the setting; other errors, and a local Ray's, pass through."""
     try:
         yield
     except (ConnectionError, TimeoutError) as exc:
-        if not address and not os.environ.get("RAY_ADDRESS"):
+        address, setting = _setting(configured, flag)
+        if not address:
             raise  # a local Ray that failed to start: not an address problem
-        named = f"{flag}={address}" if address else f"RAY_ADDRESS={os.environ['RAY_ADDRESS']}"
         detail = " ".join(str(exc).split()) or type(exc).__name__
-        raise RunFailedError(f"{named}: could not join the Ray cluster ({detail}); check that its head runs and "
-                             f"that this machine reaches it") from None
+        raise RunFailedError(f"{setting}={address}: could not join the Ray cluster ({detail}); check that its head "
+                             f"runs and that this machine reaches it") from None
 
 
 def check_ray_address(address: str, flag: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:

@@ -74,7 +74,7 @@ from flwr.common.constant import SUPERLINK_NODE_ID
 from fedsim import config as C
 from fedsim.engine import reaper
 from fedsim.engine.driver import DriverGrid, call_client_app, error_reply, task_identity
-from fedsim.engine.ray_address import check_cluster, joining
+from fedsim.engine.ray_address import check_cluster, cluster_address, joining
 from fedsim.contracts.history import RoundObserver
 from fedsim.engine.runtime import (ClientTimeout, RunSpec, build_client_app, call_all_with_deadline, client_call_limit,
                                    warm_learner)
@@ -168,7 +168,7 @@ def check_fit(rc: C.RayEngineConfig, cpus: float, gpus: float) -> None:
 
 
 def _ray_address(rc: C.RayEngineConfig) -> str | None:
-    return rc.address or os.environ.get("RAY_ADDRESS") or None
+    return cluster_address(rc.address)
 
 
 def _local_resources(rc: C.RayEngineConfig) -> tuple[float, float]:

@@ -171,14 +171,11 @@ class ResultReply(Message):
         return _plain_message, (self.metadata, self.content)
 
 
-_NO_CONTENT = RecordDict()
-
-
 def reply_metadata(reply_to: Message, created_at: float) -> Metadata:
     """The metadata ``Message(content, reply_to=reply_to)`` gives a reply created at ``created_at`` (Unix time),
     built directly: the same fields Flower's constructor sets (the source and destination swapped, the TTL
     limited to the expiry of ``reply_to``) without its argument checks and clock reads (~4 us a reply, a
-    twentieth of a tiny client's round on the server; ``tests/engine/test_records.py`` compares the two)."""
+    twentieth of a tiny client's round on the server; ``tests/fedsim/engine/test_cohort_reply.py`` compares the two)."""
     md = reply_to.metadata
     metadata = Metadata(run_id=md.run_id, message_id="", src_node_id=md.dst_node_id, dst_node_id=md.src_node_id,
                         reply_to_message_id=md.message_id, group_id=md.group_id, created_at=created_at,

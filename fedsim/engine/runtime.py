@@ -7,7 +7,6 @@ The ClientApp is shipped to Ray actors by the Flower engine, so it closes over a
 from __future__ import annotations
 
 import math
-import os
 import queue
 import threading
 import time
@@ -21,6 +20,7 @@ from flwr.clientapp import ClientApp
 
 from fedsim import config as C
 from fedsim.engine.arrays import host_arrays, resident_record
+from fedsim.engine.ray_address import cluster_address
 from fedsim.engine.records import ReplyRecordDict, ResultReply, metric_record
 from fedsim.errors import ConfigError
 from fedsim.threads import torch_threads  # noqa: F401  (re-exported: engines import it from here)
@@ -308,9 +308,8 @@ def check_device(cfg: C.ExperimentConfig, learner: type) -> None:
     if e.name == "flower" and e.flower.client_num_gpus <= 0:
         raise ConfigError(f"engine.device={device} on the flower engine needs GPUs for its clients; set "
                           f"engine.flower.client_num_gpus (e.g. 0.5)")
-    joins = {"ray": e.ray.address, "flower": e.flower.address}  # None: $RAY_ADDRESS, else a local Ray
-    remote = e.name in joins and bool(joins[e.name] or os.environ.get("RAY_ADDRESS"))
-    if not remote:  # this machine runs the clients: the GPU must be here
+    joins = {"ray": e.ray.address, "flower": e.flower.address}
+    if not (e.name in joins and cluster_address(joins[e.name])):  # this machine runs the clients: the GPU must be here
         from fedsim.device import resolve_device
 
         resolve_device(device)
